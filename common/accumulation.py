@@ -1,0 +1,51 @@
+"""The exact loss of one optimizer step: the token mean over the whole accumulation window on all processes.
+
+A model's own loss is the mean over *its micro-batch's* real tokens. Averaging those over micro-batches (the usual
+`loss / gradient_accumulation_steps`) and over processes (DDP's gradient mean) weights every micro-batch equally, not
+every token: wrong whenever micro-batches hold different numbers of real tokens (padding, masked prompts).
+The fix, as in the transformers Trainer and accelerate's gradient-accumulation guide:
+
+1. load the window's micro-batches ahead (`accumulation_windows`);
+2. count its real label tokens over all processes (`count_label_tokens`), after the causal shift;
+3. pass the count as `num_items_in_batch`, so the model's loss is a sum divided by the window's count;
+4. multiply by `gradient_accumulation_steps * num_processes` (`backward_loss`) to cancel accelerate's
+   division by the accumulation steps and the data-parallel gradient mean (DDP, DeepSpeed, FSDP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from accelerate import Accelerator
+
+
+def accumulation_windows(dataloader: Iterable[dict], steps: int) -> Iterator[list[dict]]:
+    """Yield lists of exactly `steps` micro-batches; a trailing partial window is dropped (like `drop_last`)."""
+    window = []
+    for batch in dataloader:
+        window.append(batch)
+        if len(window) == steps:
+            yield window
+            window = []
+
+
+def count_label_tokens(window: list[dict], accelerator: Accelerator) -> torch.Tensor:
+    """Real label tokens of the window on all processes. The first label of each row predicts nothing: skip it."""
+    local = sum((batch["labels"][..., 1:] != -100).sum() for batch in window)
+    return accelerator.reduce(torch.as_tensor(local, device=accelerator.device), reduction="sum")
+
+
+def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to pass to `accelerator.backward`, this micro-batch's share of the window's token-mean loss).
+
+    `outputs.loss` must come from a forward with `num_items_in_batch=count_label_tokens(...)`. A mixture-of-experts
+    load-balancing loss, already added to `outputs.loss` by the model, is kept as a mean over micro-batches.
+    """
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is None or not router_aux_loss_coef:
+        return outputs.loss * scale, outputs.loss.detach()
+    token_loss = outputs.loss - router_aux_loss_coef * aux
+    return token_loss * scale + router_aux_loss_coef * aux, token_loss.detach()

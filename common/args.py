@@ -1,0 +1,137 @@
+"""Shared command-line argument groups (Hugging Face `TrainingArguments` names) and cheap validation.
+
+Every check here runs before anything expensive (tokenizer training, dataset loading, model building) and fails
+with one line: `error: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
+DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (no usage dump) and exit status 2."""
+
+    def error(self, message: str):  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(message: str) -> None:
+    """Stop with one clear line (exit status 2). For bad input found before training starts."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_name_or_path", help="Pretrained checkpoint (local path or hub id) to start from.")
+    g.add_argument("--config_name", help="Model config (path or hub id) to build a model from scratch.")
+    g.add_argument("--model_preset", choices=presets, help="Named architecture built from scratch (default: tiny).")
+    g.add_argument("--tokenizer_name", help="Tokenizer (path or hub id). Default: the model's, else one trained here.")
+    g.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations (non-reentrant).")
+    g.add_argument("--torch_compile", action="store_true", help="torch.compile the model (inductor).")
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--dataset_name", help="Dataset on the hub (or a local dataset folder), via `datasets`.")
+    g.add_argument("--dataset_config_name")
+    g.add_argument("--train_file", help="txt, json/jsonl, csv or parquet file.")
+    g.add_argument("--validation_file")
+    g.add_argument("--validation_split_percentage", type=int, default=5,
+                   help="Held-out share of train when there is no validation split.")
+    g.add_argument("--text_column", default="text")
+    g.add_argument("--max_train_samples", type=int, help="Keep only the first N training rows (debugging).")
+    g.add_argument("--max_eval_samples", type=int)
+    g.add_argument("--preprocessing_num_workers", type=int, default=None, help="num_proc for datasets.map.")
+    g.add_argument("--dataloader_num_workers", type=int, default=0)
+    g.add_argument("--dataloader_pin_memory", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    g.add_argument("--cache_dir", default=os.environ.get("TRAIN_SCRIPTS_CACHE",
+                   os.path.join(os.path.expanduser("~"), ".cache", "accelerate-training-scripts")),
+                   help="Where the embedded corpus and trained tokenizers are cached.")
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--output_dir", default="outputs/run")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--per_device_train_batch_size", type=int, default=8)
+    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--learning_rate", type=float, default=5e-4)
+    g.add_argument("--weight_decay", type=float, default=0.1)
+    g.add_argument("--adam_beta1", type=float, default=0.9)
+    g.add_argument("--adam_beta2", type=float, default=0.95)
+    g.add_argument("--adam_epsilon", type=float, default=1e-8)
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping (the norm is still logged).")
+    g.add_argument("--optim", default="adamw_torch", choices=OPTIMIZERS)
+    g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS)
+    g.add_argument("--warmup_steps", type=int, default=None, help="Default: 5%% of the optimizer steps.")
+    g.add_argument("--num_train_epochs", type=float, default=1.0)
+    g.add_argument("--max_steps", type=int, default=-1, help="Optimizer steps; overrides --num_train_epochs if > 0.")
+    g.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default=None,
+                   help="Default: what `accelerate launch`/its config says, else no.")
+    g.add_argument("--bf16", dest="mixed_precision", action="store_const", const="bf16")
+    g.add_argument("--fp16", dest="mixed_precision", action="store_const", const="fp16")
+    g.add_argument("--tf32", action="store_true", help="Allow TF32 matmuls (Ampere or newer GPUs).")
+    g.add_argument("--logging_steps", type=int, default=10)
+    g.add_argument("--eval_steps", type=int, default=None, help="Evaluate every N optimizer steps (and at the end).")
+    g.add_argument("--checkpointing_steps", type=int, default=None, help="Save a resumable checkpoint every N steps.")
+    g.add_argument("--save_total_limit", type=int, default=2, help="Keep only the newest N checkpoints.")
+    g.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or `latest` in --output_dir/checkpoints.")
+    g.add_argument("--report_to", default="none", choices=("none", "all", "tensorboard", "trackio", "wandb"))
+
+
+def validate_common(args: argparse.Namespace) -> None:
+    """Cheap checks of shared flags; hub ids are not checked here (they fail at load time with the hub's message)."""
+    for name in ("train_file", "validation_file"):
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            fail(f"--{name} {path}: no such file")
+        if os.path.splitext(path)[1].lower() not in DATA_EXTENSIONS:
+            fail(f"--{name} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
+        if os.path.getsize(path) == 0:
+            fail(f"--{name} {path}: the file is empty")
+    if getattr(args, "validation_file", None) and not getattr(args, "train_file", None):
+        fail("--validation_file needs --train_file")
+    if getattr(args, "dataset_name", None) and getattr(args, "train_file", None):
+        fail("give either --dataset_name or --train_file, not both")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "logging_steps"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    for name in ("eval_steps", "checkpointing_steps", "save_total_limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name} must be >= 1 (got {value})")
+    if args.learning_rate <= 0:
+        fail(f"--learning_rate must be > 0 (got {args.learning_rate})")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        fail("set --max_steps > 0 or --num_train_epochs > 0")
+    if args.resume_from_checkpoint and args.resume_from_checkpoint != "latest" \
+            and not os.path.isdir(args.resume_from_checkpoint):
+        fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such folder")
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        fail("fp16 mixed precision needs a CUDA GPU (fp16 loss scaling is not supported on CPU); use --bf16")
+    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("this GPU does not support bf16; use --fp16")
+    if args.tf32 and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8):
+        fail("--tf32 needs an NVIDIA GPU of the Ampere generation or newer")
+    if args.report_to not in ("none", "all"):
+        from accelerate.utils import is_tensorboard_available, is_trackio_available, is_wandb_available
+
+        available = {"tensorboard": is_tensorboard_available, "trackio": is_trackio_available,
+                     "wandb": is_wandb_available}[args.report_to]()
+        if not available:
+            fail(f"--report_to {args.report_to}: the package is not installed (pip install {args.report_to})")

@@ -1,0 +1,164 @@
+"""Corpora (embedded default, local files, hub datasets), the fast tokenizer, and packing into fixed blocks."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sysconfig
+from itertools import chain
+
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from datasets import DatasetDict, load_dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from common.args import DATA_EXTENSIONS, fail
+
+logger = get_logger(__name__)
+
+EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<pad>"
+DEFAULT_CORPUS_MAX_BYTES = 6_000_000
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+
+
+def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> dict[str, str]:
+    """The embedded default corpus: this Python's own standard library sources and its pydoc documentation.
+
+    Present on every machine that has Python, so the default run needs no download. One JSON row per file;
+    about one file in twenty (chosen by a hash of its path, so stable across machines) is held out for validation.
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+        paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
+    key = hashlib.sha256(f"{stdlib}|{len(paths)}|{max_bytes}".encode()).hexdigest()[:12]
+    out_dir = os.path.join(cache_dir, f"stdlib-corpus-{key}")
+    splits = {"train": os.path.join(out_dir, "train.jsonl"), "validation": os.path.join(out_dir, "validation.jsonl")}
+    if all(os.path.isfile(p) for p in splits.values()):
+        return splits
+    os.makedirs(out_dir, exist_ok=True)
+    rows = {"train": [], "validation": []}
+    size = 0
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        rel = os.path.relpath(path, stdlib)
+        split = "validation" if int(hashlib.md5(rel.encode()).hexdigest(), 16) % 20 == 0 else "train"
+        if split == "train" and size >= max_bytes:
+            continue
+        size += len(text) if split == "train" else 0
+        rows[split].append(json.dumps({"text": text, "source": rel}))
+    if not rows["train"]:
+        fail(f"no readable Python sources under {stdlib} to build the default corpus; pass --train_file")
+    for split, path in splits.items():  # write then rename: a killed run never leaves half a file behind
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write("\n".join(rows[split]) + "\n")
+        os.replace(path + ".tmp", path)
+    return splits
+
+
+def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
+    """train/validation splits from the hub, local files, or (when neither is given) the embedded default corpus."""
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+    else:
+        files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
+        if getattr(args, "validation_file", None):
+            files["validation"] = args.validation_file
+        builder = DATA_EXTENSIONS[os.path.splitext(files["train"])[1].lower()]
+        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+        raw = load_dataset(builder, data_files=files, **kwargs)
+    if "train" not in raw:
+        fail(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
+    if "validation" not in raw:
+        if args.validation_split_percentage <= 0 or len(raw["train"]) < 2:
+            fail("no validation data: pass --validation_file or a --validation_split_percentage > 0 with more data")
+        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        raw = DatasetDict(train=split["train"], validation=split["test"])
+    if args.max_train_samples:
+        raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
+    if args.max_eval_samples:
+        raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
+    for split in ("train", "validation"):
+        if len(raw[split]) == 0:
+            fail(f"the {split} split is empty")
+        if args.text_column not in raw[split].column_names:
+            fail(f"no column '{args.text_column}' in the {split} split (columns: {', '.join(raw[split].column_names)});"
+                 " set --text_column")
+    return raw
+
+
+def train_bpe_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2 style: every byte representable, no unknown tokens), trained in seconds."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
+                                   pad_token=PAD_TOKEN, model_max_length=1_000_000)
+
+
+def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict) -> PreTrainedTokenizerBase:
+    """The fast tokenizer named by --tokenizer_name / the model; else a BPE tokenizer trained on the train split.
+
+    A trained tokenizer is cached under --cache_dir by a fingerprint of the data and vocab size: later runs reuse it.
+    """
+    name = args.tokenizer_name or args.model_name_or_path
+    if name:
+        tokenizer = AutoTokenizer.from_pretrained(name, use_fast=True)
+        if not tokenizer.is_fast:
+            fail(f"{name} has only a slow (Python) tokenizer; this script needs a fast one")
+    else:
+        key = f"{raw['train']._fingerprint}-{args.tokenizer_vocab_size}"
+        path = os.path.join(args.cache_dir, f"tokenizer-bpe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+        with accelerator.main_process_first():
+            if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+                logger.info(f"Training a byte-level BPE tokenizer (vocab {args.tokenizer_vocab_size}) -> {path}")
+                texts = (batch[args.text_column] for batch in raw["train"].iter(batch_size=1000))
+                train_bpe_tokenizer(texts, args.tokenizer_vocab_size).save_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:  # collators and generation need one; never trained on (labels are masked)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenize_and_pack(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict,
+                      tokenizer: PreTrainedTokenizerBase, block_size: int) -> DatasetDict:
+    """Tokenize every row (EOS after each document) and concatenate into `block_size` blocks with labels.
+
+    Runs on the main process first so the other processes load the result from the datasets cache.
+    The tail shorter than a block in each map batch is dropped (as Hugging Face's run_clm does).
+    """
+    text_column = args.text_column
+    append_eos = tokenizer.eos_token_id is not None and not (args.train_file or "").endswith(".txt")
+
+    def tokenize(batch):
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [tokenizer.eos_token_id] for x in ids] if append_eos else ids}
+
+    def pack(batch):
+        flat = list(chain.from_iterable(batch["input_ids"]))
+        usable = len(flat) // block_size * block_size
+        blocks = [flat[i:i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    with accelerator.main_process_first():
+        tokenized = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
+                            remove_columns=raw["train"].column_names, desc="Tokenizing")
+        packed = tokenized.map(pack, batched=True, num_proc=args.preprocessing_num_workers,
+                               desc=f"Packing into blocks of {block_size}")
+    for split in ("train", "validation"):
+        if len(packed[split]) == 0:
+            fail(f"the {split} split holds fewer than --block_size={block_size} tokens; use more data or a smaller"
+                 " --block_size")
+    return packed

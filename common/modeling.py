@@ -1,0 +1,83 @@
+"""Causal-LM presets, config/model building (from scratch or pretrained), gradient checkpointing."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
+
+from common.args import fail
+
+# Llama shapes. vocab_size is replaced by the tokenizer's size when a model is built from scratch.
+LLAMA_PRESETS = {
+    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=1024),                      # ~3M with vocab 8k
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=2048),                     # ~10M
+    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, max_position_embeddings=2048),
+    "350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=16, max_position_embeddings=2048),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, max_position_embeddings=2048),                         # TinyLlama-1.1B shape
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),   # Llama-3-8B shape
+}
+# Mixtral-style sparse mixture of experts (top-2 of 4 experts per token).
+MOE_PRESETS = {
+    "moe-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+                     output_router_logits=True, router_aux_loss_coef=0.02),
+}
+PRESETS = tuple(LLAMA_PRESETS) + tuple(MOE_PRESETS)
+
+
+def load_config(args: argparse.Namespace) -> PretrainedConfig:
+    """The model's config, cheaply (no weights), so that flags can be checked against it before any heavy work."""
+    if args.model_name_or_path:
+        return AutoConfig.from_pretrained(args.model_name_or_path)
+    if args.config_name:
+        return AutoConfig.from_pretrained(args.config_name)
+    preset = args.model_preset or "tiny"
+    if preset in MOE_PRESETS:
+        return MixtralConfig(**MOE_PRESETS[preset])
+    return LlamaConfig(**LLAMA_PRESETS[preset])
+
+
+def check_block_size(config: PretrainedConfig, block_size: int) -> None:
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and block_size > max_positions:
+        fail(f"--block_size {block_size} is larger than the model's max_position_embeddings ({max_positions})")
+
+
+def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_size: int) -> PreTrainedModel:
+    """Pretrained weights when --model_name_or_path is given, else a fresh model from `config`.
+
+    Weights are loaded here, before any torch.compile, so compiled and exported models hold the same keys.
+    """
+    kwargs = {"attn_implementation": args.attn_implementation}
+    if args.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32,
+                                                     **kwargs)
+        if vocab_size > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(vocab_size)
+    else:
+        config.vocab_size = vocab_size
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation checkpointing: safe under DDP (the reentrant kind marks parameters ready twice)."""
+    model.config.use_cache = False
+    model.activation_checkpointing_enable({"use_reentrant": False})
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

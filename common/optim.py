@@ -1,0 +1,66 @@
+"""Optimizer factory (torch, bitsandbytes 8-bit, Adafactor, DeepSpeed placeholders) and the LR schedule."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def create_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, args.weight_decay)
+    betas = (args.adam_beta1, args.adam_beta2)
+    if args.optim in ("adamw_torch", "adamw_torch_fused"):
+        return torch.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon,
+                                 fused=args.optim == "adamw_torch_fused")
+    if args.optim in ("adamw_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        # Embedding rows see rare, spiky updates that 8-bit state quantises badly: keep their state in 32 bits.
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+        cls = bnb.optim.PagedAdamW8bit if args.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return cls(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon)
+    if args.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False,
+                         warmup_init=False)
+    raise ValueError(f"unknown optimizer {args.optim}")
+
+
+def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, accelerator, total_steps: int):
+    """The optimizer and LR schedule, both counted in optimizer steps.
+
+    When a DeepSpeed JSON defines its own `optimizer`/`scheduler` block, accelerate's Dummy placeholders stand in
+    for them (a real torch optimizer next to a JSON optimizer raises inside DeepSpeed).
+    """
+    from accelerate.utils import DummyOptim, DummyScheduler
+    from transformers import get_scheduler
+
+    warmup = args.warmup_steps if args.warmup_steps is not None else int(0.05 * total_steps)
+    plugin = accelerator.state.deepspeed_plugin
+    ds_config = plugin.deepspeed_config if plugin is not None else {}
+    if "optimizer" in ds_config:
+        optimizer = DummyOptim(param_groups(model, args.weight_decay), lr=args.learning_rate,
+                               weight_decay=args.weight_decay)
+    else:
+        optimizer = create_optimizer(args, model)
+    if "scheduler" in ds_config:
+        return optimizer, DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup)
+    extra = {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}} if args.lr_scheduler_type == "cosine_with_min_lr" \
+        else {}
+    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                    num_training_steps=total_steps, **extra)
