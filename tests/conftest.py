@@ -1,0 +1,57 @@
+"""Shared test fixtures. Tests never touch the network: the hub is switched off for them and their subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, ROOT)
+
+
+def run_script(script: str, *args: str, launcher: list[str] | None = None, env: dict | None = None,
+               timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `scripts/<script>` (with `python`, or `launcher` such as `accelerate launch ...`) and return the result."""
+    cmd = (launcher or [sys.executable]) + [os.path.join(SCRIPTS, script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(output_dir: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict[str, str]:
+    """A small text corpus in train/validation jsonl files (varied, so a tokenizer and a model can learn from it)."""
+    d = tmp_path_factory.mktemp("corpus")
+    import random
+
+    rng = random.Random(0)
+    words = ("the model reads tokens and learns to predict the next one while the optimizer updates weights "
+             "with gradients from a loss over batches of text").split()
+    rows = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 120))) for _ in range(600)]
+    paths = {}
+    for split, part in (("train", rows[:540]), ("validation", rows[540:])):
+        paths[split] = str(d / f"{split}.jsonl")
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps({"text": r}) + "\n" for r in part)
+    return paths
