@@ -34,7 +34,8 @@ def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...]) ->
     g = parser.add_argument_group("model")
     g.add_argument("--model_name_or_path", help="Pretrained checkpoint (local path or hub id) to start from.")
     g.add_argument("--config_name", help="Model config (path or hub id) to build a model from scratch.")
-    g.add_argument("--model_preset", choices=presets, help="Named architecture built from scratch (default: tiny).")
+    if presets:  # scripts that only fine-tune have no from-scratch presets
+        g.add_argument("--model_preset", choices=presets, help="Named architecture built from scratch (default: tiny).")
     g.add_argument("--tokenizer_name", help="Tokenizer (path or hub id). Default: the model's, else one trained here.")
     g.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     g.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations (non-reentrant).")
@@ -135,3 +136,32 @@ def validate_common(args: argparse.Namespace) -> None:
                      "wandb": is_wandb_available}[args.report_to]()
         if not available:
             fail(f"--report_to {args.report_to}: the package is not installed (pip install {args.report_to})")
+
+
+def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
+    """Flags the fine-tuning scripts share: sequence length, length grouping, freezing, output-dir guard."""
+    g = parser.add_argument_group("fine-tuning")
+    g.add_argument("--max_seq_length", type=int, default=None,
+                   help="Truncate longer examples (default: the tokenizer's limit, capped by the script).")
+    g.add_argument("--group_by_length", action="store_true",
+                   help="Training batches of similar lengths (still shuffled between groups); evaluation sorted by "
+                        "length. Less padding per batch.")
+    g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")
+    g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow training into a used --output_dir.")
+
+
+def validate_finetuning(args: argparse.Namespace) -> None:
+    """Fine-tuning starts from pretrained weights; cheap checks of the shared fine-tuning flags."""
+    if not args.model_name_or_path:
+        fail("fine-tuning needs --model_name_or_path (a local folder or a hub id)")
+    if args.config_name:
+        fail("--config_name builds a model from scratch; fine-tuning loads --model_name_or_path")
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
+    if args.freeze_layers < 0:
+        fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
+    used = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
+    if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
+        fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
+             " it or --overwrite_output_dir to start over")

@@ -64,8 +64,11 @@ def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYT
     return splits
 
 
-def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
-    """train/validation splits from the hub, local files, or (when neither is given) the embedded default corpus."""
+def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None) -> DatasetDict:
+    """train/validation splits from the hub, local files, or (when neither is given) the embedded default corpus.
+
+    `columns` maps each column the caller needs to the flag that names it (default: --text_column).
+    """
     if args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name)
     else:
@@ -86,12 +89,14 @@ def load_raw_datasets(args: argparse.Namespace) -> DatasetDict:
         raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
     if args.max_eval_samples:
         raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
+    columns = {args.text_column: "--text_column"} if columns is None else columns
     for split in ("train", "validation"):
         if len(raw[split]) == 0:
             fail(f"the {split} split is empty")
-        if args.text_column not in raw[split].column_names:
-            fail(f"no column '{args.text_column}' in the {split} split (columns: {', '.join(raw[split].column_names)});"
-                 " set --text_column")
+        for column, flag in columns.items():
+            if column not in raw[split].column_names:
+                fail(f"no column '{column}' in the {split} split (columns: {', '.join(raw[split].column_names)});"
+                     f" set {flag}")
     return raw
 
 

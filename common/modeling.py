@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
 from common.args import fail
@@ -81,3 +82,23 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, total
+
+
+def freeze_parameters(model: PreTrainedModel, embeddings: bool, num_layers: int) -> None:
+    """Stop training the embeddings and/or the first `num_layers` transformer blocks (they keep their weights exactly).
+
+    Works for encoders (BERT's `embeddings` module: words, positions, token types, norm) and decoders (the input
+    embedding; an output head tied to it freezes with it). Blocks are the model's `ModuleList` of
+    `num_hidden_layers` entries (BERT `encoder.layer`, Llama `layers`, ...).
+    """
+    base = model.base_model
+    if embeddings:
+        (getattr(base, "embeddings", None) or model.get_input_embeddings()).requires_grad_(False)
+    if num_layers:
+        blocks = next((m for m in base.modules()
+                       if isinstance(m, nn.ModuleList) and len(m) == model.config.num_hidden_layers), None)
+        if blocks is None:
+            fail(f"--freeze_layers: no list of {model.config.num_hidden_layers} layers found in "
+                 f"{type(model).__name__}")
+        for block in blocks[:num_layers]:
+            block.requires_grad_(False)

@@ -1,0 +1,37 @@
+"""Batches of variable-length examples: length-grouped sampling and the share of padding in a batch."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' length-grouped order (shuffle, cut into mega-batches of ~50 batches, sort each by length), made
+    reproducible: accelerate calls `set_epoch` before every pass, which reseeds the shuffle. Every process therefore
+    draws the same order (accelerate then deals out the batches), and a resumed run draws the same order again.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int) -> None:
+        super().__init__(batch_size, lengths=lengths, generator=torch.Generator())
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator.manual_seed(self.seed + epoch)
+
+
+def pad_to_multiple_of(accelerator: Accelerator) -> int:
+    """Tensor cores want sequence lengths in multiples of 8 (16 for fp8 matmuls)."""
+    return 16 if accelerator.mixed_precision == "fp8" else 8
+
+
+def padding_counts(batch: dict) -> tuple[torch.Tensor, int]:
+    """(padding positions, all positions) of a batch; a batch without an attention mask (packed) has no padding.
+
+    The first stays a device tensor (no host sync per micro-batch); sum it over a logging window, then reduce.
+    """
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    padding = ids.numel() - mask.sum() if mask is not None else torch.zeros((), dtype=torch.long, device=ids.device)
+    return padding, ids.numel()

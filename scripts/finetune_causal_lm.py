@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""Supervised fine-tuning (SFT) of a causal LM with Accelerate: the loss is on the responses only.
+
+    accelerate launch scripts/finetune_causal_lm.py --model_name_or_path outputs/pretrain   # the pretraining export
+    accelerate launch scripts/finetune_causal_lm.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+        --train_file chats.jsonl --packing --bf16 --gradient_checkpointing
+
+Data: jsonl/csv/parquet or a hub dataset with `prompt` and `completion` columns (the text is prompt + completion, then
+EOS), or a `messages` column of chat turns rendered with the tokenizer's chat template (the loss is on the assistant
+turns). Without data, the default task is built from this Python's standard library: write a function's body from its
+signature and docstring. Examples keep their own lengths: batches are padded to their longest example, or with
+`--packing` concatenated into one row with per-example position ids (no padding at all). With lengths this uneven,
+the loss of an optimizer step must be the mean over all its response tokens (common/accumulation.py), not the mean
+of micro-batch means.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import math
+import os
+import sys
+import textwrap
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch
+from accelerate import skip_first_batches
+from accelerate.logging import get_logger
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoConfig, DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+from common.accumulation import accumulation_windows, backward_loss, count_label_tokens
+from common.args import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args, fail,
+                         validate_common, validate_finetuning)
+from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of, padding_counts
+from common.checkpoint import TrainingProgress, export_model, resolve_resume_path, save_checkpoint
+from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
+from common.evaluation import evaluate_causal_lm
+from common.metrics import MetricsWriter, Throughput, peak_memory_bytes, write_all_results
+from common.modeling import build_causal_lm, count_parameters, freeze_parameters
+from common.optim import create_optimizer_and_scheduler
+from common.runtime import build_accelerator, finish
+
+logger = get_logger(__name__)
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser, presets=())
+    add_data_args(parser)
+    add_training_args(parser)
+    add_finetuning_args(parser)
+    parser.set_defaults(learning_rate=2e-5, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
+    g = parser.add_argument_group("supervised fine-tuning")
+    g.add_argument("--prompt_column", default="prompt")
+    g.add_argument("--completion_column", default="completion")
+    g.add_argument("--messages_column", default="messages", help="Chat turns [{role, content}, ...], used if present.")
+    g.add_argument("--chat_template", help="A Jinja chat template file, for a tokenizer that has none.")
+    g.add_argument("--packing", action="store_true",
+                   help="Concatenate each batch's examples into one row with per-example position ids (no padding).")
+    args = parser.parse_args(argv)
+    validate_common(args)
+    validate_finetuning(args)
+    if args.packing and args.group_by_length:
+        fail("--group_by_length saves nothing with --packing (packed batches have no padding)")
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        fail(f"--chat_template {args.chat_template}: no such file")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    config = AutoConfig.from_pretrained(args.model_name_or_path)  # cheap: checks the flags before any heavy work
+    if args.freeze_layers > config.num_hidden_layers:
+        fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if args.max_seq_length and max_positions and args.max_seq_length > max_positions:
+        fail(f"--max_seq_length {args.max_seq_length} is larger than the model's {max_positions} positions")
+    accelerator = build_accelerator(args)
+    train(args, config, accelerator)
+    finish(accelerator)
+
+
+def train(args, config, accelerator) -> None:
+    os.makedirs(args.output_dir, exist_ok=True)
+    ga = args.gradient_accumulation_steps
+
+    # ---- data: rows -> text + response spans -> tokens with the prompt masked (-100) -------------------------------
+    if not args.train_file and not args.dataset_name:
+        with accelerator.main_process_first():
+            args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
+    raw = load_raw_datasets(args, columns={})
+    use_messages = args.messages_column in raw["train"].column_names
+    for column, flag in ([(args.messages_column, "--messages_column")] if use_messages else
+                         [(args.prompt_column, "--prompt_column"), (args.completion_column, "--completion_column")]):
+        for split in ("train", "validation"):
+            if column not in raw[split].column_names:
+                fail(f"no column '{column}' in the {split} split (columns: {', '.join(raw[split].column_names)}); "
+                     f"set {flag}, or give a '{args.messages_column}' column of chat turns")
+    tokenizer = get_tokenizer(args, accelerator, raw)
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    if use_messages and not tokenizer.chat_template:
+        fail(f"the data has chat turns ('{args.messages_column}') but the tokenizer has no chat template: pass "
+             "--chat_template FILE, or use prompt/completion columns")
+    saved_padding_side, tokenizer.padding_side = tokenizer.padding_side, "right"  # positions count from the left
+    max_length = args.max_seq_length or min(tokenizer.model_max_length,
+                                            getattr(config, "max_position_embeddings", None) or 2048, 2048)
+
+    def tokenize(batch):
+        out = {"input_ids": [], "attention_mask": [], "labels": [], "length": []}
+        for i in range(len(next(iter(batch.values())))):
+            if use_messages:
+                text, spans = render_chat(tokenizer, batch[args.messages_column][i])
+            else:
+                prompt, completion = batch[args.prompt_column][i], batch[args.completion_column][i]
+                text, spans = prompt + completion, [(len(prompt), len(prompt) + len(completion))]
+            ids, labels = tokenize_with_response_labels(tokenizer, text, spans, plain_text=not use_messages)
+            ids, labels = ids[:max_length], labels[:max_length]
+            if any(label != -100 for label in labels[1:]):  # else the prompt alone fills max_length: nothing to learn
+                out["input_ids"].append(ids)
+                out["attention_mask"].append([1] * len(ids))
+                out["labels"].append(labels)
+                out["length"].append(len(ids))
+        return out
+
+    with accelerator.main_process_first():
+        data = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
+                       remove_columns=raw["train"].column_names, desc="Tokenizing")
+    for split in ("train", "validation"):
+        if len(data[split]) < len(raw[split]):
+            logger.info(f"{len(raw[split]) - len(data[split])} {split} examples dropped: their prompt fills "
+                        f"--max_seq_length {max_length}")
+        if len(data[split]) == 0:
+            fail(f"no {split} example has a response token within --max_seq_length {max_length}")
+    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_to_multiple_of(accelerator))
+    # Packing: one row per batch, position ids restart at 0 for each example, and labels get -100 at each start.
+    train_collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100) if args.packing else padded
+    sampler = None
+    if args.group_by_length:
+        sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
+        data["validation"] = data["validation"].sort("length")  # order is free: the loss is gathered, not streamed
+    data = data.remove_columns("length")
+    pin = args.dataloader_pin_memory and torch.cuda.is_available()
+    train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None,
+                                  batch_size=args.per_device_train_batch_size, collate_fn=train_collator,
+                                  num_workers=args.dataloader_num_workers, pin_memory=pin)
+    eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=padded,
+                                 num_workers=args.dataloader_num_workers, pin_memory=pin)
+    steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes) // ga
+    if steps_per_epoch == 0:
+        fail(f"{len(data['train'])} training examples are fewer than one optimizer step needs "
+             f"({args.per_device_train_batch_size} x {ga} accumulation x {accelerator.num_processes} processes)")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+
+    # ---- model, freezing, optimizer, schedule (in optimizer steps) --------------------------------------------------
+    model = build_causal_lm(args, config, len(tokenizer))
+    use_cache, model.config.use_cache = model.config.use_cache, False
+    # (Measured, transformers 5.23: with a KV cache in the forward, the packed-sequence mask is silently skipped.)
+    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.packing:
+        check_packing(model)
+    trainable, total_params = count_parameters(model)
+    router_aux_loss_coef = getattr(model.config, "router_aux_loss_coef", 0.0) \
+        if getattr(model.config, "output_router_logits", False) else 0.0
+    optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
+
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    progress = TrainingProgress()
+    accelerator.register_for_checkpointing(progress)
+    resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+    if resume_path:
+        accelerator.load_state(resume_path)
+        logger.info(f"Resumed from {resume_path} at optimizer step {progress.step}")
+    if args.report_to != "none":
+        accelerator.init_trackers("finetune_causal_lm", config={k: v for k, v in vars(args).items()
+                                                                if isinstance(v, (int, float, str, bool))})
+    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
+                f"({100 * trainable / total_params:.1f}%); {len(data['train'])} training examples "
+                f"({'chat template' if use_messages else 'prompt + completion'}, at most {max_length} tokens), "
+                f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in all; global batch "
+                f"{args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
+
+    # ---- training loop ----------------------------------------------------------------------------------------------
+    metrics = MetricsWriter(args.output_dir, accelerator.is_main_process, resume_step=progress.step)
+    throughput = Throughput()
+    loss_since_log = torch.zeros((), device=accelerator.device)
+    padding_since_log = torch.zeros((), dtype=torch.long, device=accelerator.device)
+    positions_since_log, steps_since_log, train_start = 0, 0, time.perf_counter()
+    run_padding = run_positions = 0
+    last_log: dict = {}
+    progress_bar = tqdm(total=total_steps, initial=progress.step, desc="train",
+                        disable=not accelerator.is_local_main_process)
+    model.train()
+    start_epoch, skip_steps = divmod(progress.step, steps_per_epoch)
+    for epoch in range(start_epoch, num_epochs):
+        train_dataloader.set_epoch(epoch)  # the same shuffle per epoch, for any process count and after a resume
+        batches = train_dataloader
+        if epoch == start_epoch and skip_steps:  # resume mid-epoch: skip the micro-batches already trained on
+            batches = skip_first_batches(train_dataloader, skip_steps * ga)
+        for window in accumulation_windows(batches, ga):
+            lr = lr_scheduler.get_last_lr()[0]
+            num_items = count_label_tokens(window, accelerator)  # response tokens in the window, all processes
+            for batch in window:
+                with accelerator.accumulate(model):
+                    outputs = model(**batch, num_items_in_batch=num_items)
+                    loss, token_loss = backward_loss(outputs, accelerator, router_aux_loss_coef)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    optimizer.step()
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                loss_since_log += token_loss
+                padding, positions = padding_counts(batch)
+                padding_since_log += padding
+                positions_since_log += positions
+            progress.step += 1
+            steps_since_log += 1
+            progress_bar.update(1)
+            step = progress.step
+
+            if step % args.logging_steps == 0 or step == total_steps:
+                padding_total, positions_total = accelerator.reduce(torch.stack(
+                    [padding_since_log, torch.full_like(padding_since_log, positions_since_log)]), "sum").tolist()
+                run_padding, run_positions = run_padding + padding_total, run_positions + positions_total
+                throughput.add(positions_total - padding_total)  # real tokens: padding is wasted work
+                tokens_per_second, _ = throughput.report()
+                last_log = {
+                    "step": step, "epoch": round(step / steps_per_epoch, 4),
+                    "loss": accelerator.reduce(loss_since_log, "sum").item() / steps_since_log,
+                    "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens_per_second": tokens_per_second, "padding_fraction": padding_total / positions_total,
+                    "peak_memory_bytes": peak_memory_bytes(),
+                }
+                metrics.write(last_log)
+                accelerator.log(last_log, step=step)
+                progress_bar.set_postfix(loss=f"{last_log['loss']:.4f}", lr=f"{lr:.2e}",
+                                         pad=f"{last_log['padding_fraction']:.2f}")
+                loss_since_log.zero_()
+                padding_since_log.zero_()
+                positions_since_log = steps_since_log = 0
+            if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+                with throughput.paused():
+                    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+                metrics.write({"step": step, **eval_metrics})
+                accelerator.log(eval_metrics, step=step)
+                logger.info(f"step {step}: eval_loss {eval_metrics['eval_loss']:.4f} "
+                            f"perplexity {eval_metrics['perplexity']:.2f}")
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+                with throughput.paused():
+                    save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+            if step >= total_steps:
+                break
+        if progress.step >= total_steps:
+            break
+    progress_bar.close()
+    train_runtime = time.perf_counter() - train_start
+
+    # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
+    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+    metrics.write({"step": progress.step, **eval_metrics})
+    accelerator.log(eval_metrics, step=progress.step)
+    logger.info(f"Final eval_loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['perplexity']:.2f}")
+    accelerator.unwrap_model(model).config.use_cache = use_cache  # generation wants its cache back
+    tokenizer.padding_side = saved_padding_side
+    export_model(accelerator, model, tokenizer, args.output_dir)
+    if accelerator.is_main_process:
+        write_all_results(args.output_dir, {
+            **eval_metrics, "train_loss": last_log.get("loss"), "train_steps": progress.step,
+            "train_runtime": train_runtime, "padding_fraction": run_padding / max(run_positions, 1),
+            "num_parameters": total_params, "trainable_parameters": trainable, "train_examples": len(data["train"]),
+            "num_processes": accelerator.num_processes, "peak_memory_bytes": peak_memory_bytes()})
+        logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+
+
+def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template writes it, and the character spans of the assistant turns.
+
+    A turn's span runs from the end of the conversation rendered up to it (with the generation prompt, e.g.
+    `<|im_start|>assistant\\n`) to the end of the conversation rendered through it (its end-of-turn token included).
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (text.startswith(before) and text.startswith(through)):
+            fail("the chat template renders a conversation differently from its beginning (it may rewrite earlier "
+                 "turns), so the assistant turns cannot be located; give prompt/completion columns instead")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def tokenize_with_response_labels(tokenizer, text: str, spans: list[tuple[int, int]], plain_text: bool
+                                  ) -> tuple[list[int], list[int]]:
+    """Token ids, and labels that keep the tokens overlapping a response span (-100 elsewhere).
+
+    Plain prompt + completion text gets the tokenizer's special tokens (e.g. BOS) and an EOS after the response, so
+    the model learns to stop; a chat template writes its own special tokens.
+    """
+    enc = tokenizer(text, add_special_tokens=plain_text, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    labels = [t if any(a < end and b > start for start, end in spans) else -100
+              for t, (a, b) in zip(ids, enc["offset_mapping"])]
+    if plain_text and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    return ids, labels
+
+
+@torch.no_grad()
+def check_packing(model) -> None:
+    """Stop unless the model, with its attention implementation, keeps packed examples apart: the second of two
+    packed examples must give the logits it gives alone (a model that ignores the position ids would mix them)."""
+    ids = torch.arange(1, 9).unsqueeze(0) % model.config.vocab_size
+    model.eval()
+    alone = model(input_ids=ids[:, 4:]).logits
+    packed = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])).logits[:, 4:]
+    model.train()
+    if not torch.allclose(alone, packed, atol=1e-4, rtol=1e-3):
+        fail(f"--packing: {type(model).__name__} with attn_implementation={model.config._attn_implementation} lets "
+             "packed examples attend to each other; use --attn_implementation flash_attention_2 or drop --packing")
+
+
+def build_docstring_task(cache_dir: str) -> tuple[str, str]:
+    """The default SFT set: prompt = a documented function's signature and docstring, completion = its body, from
+    the same standard-library sources (and train/validation split) as the pretraining default corpus."""
+    corpus = build_default_corpus(cache_dir)
+    out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
+    paths = tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
+    if all(os.path.isfile(p) for p in paths):
+        return paths
+    os.makedirs(out_dir, exist_ok=True)
+    for split, path in zip(("train", "validation"), paths):
+        rows = []
+        with open(corpus[split], encoding="utf-8") as f:
+            for line in f:
+                source = json.loads(line)["text"]
+                try:
+                    tree = ast.parse(source)
+                except (SyntaxError, ValueError):
+                    continue
+                lines = source.splitlines(keepends=True)
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) \
+                            and len(node.body) > 1:
+                        function = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).splitlines(True)
+                        cut = node.body[0].end_lineno - node.lineno + 1  # lines through the docstring
+                        rows.append(json.dumps({"prompt": "".join(function[:cut]),
+                                                "completion": "".join(function[cut:])}))
+        with open(path + ".tmp", "w", encoding="utf-8") as f:  # write then rename: never half a file
+            f.write("\n".join(rows) + "\n")
+        os.replace(path + ".tmp", path)
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+#!/usr/bin/env python
+"""Fine-tune a text classifier (BERT, DeBERTa, RoBERTa, ... any AutoModelForSequenceClassification) with Accelerate.
+
+    accelerate launch scripts/finetune_classifier.py --model_name_or_path google-bert/bert-base-uncased \\
+        --dataset_name nyu-mll/glue --dataset_config_name sst2 --text_column sentence --group_by_length --bf16
+    python scripts/finetune_classifier.py --model_name_or_path ./my-encoder --train_file train.csv \\
+        --validation_file dev.csv --freeze_embeddings --optim adamw_8bit --auto_find_batch_size
+
+Data: a `text` column (and optionally `text_pair`) and a `label` column (names set by flags). The labels are found in
+the training split and saved in the exported config (id2label / label2id). Batches are padded only to their longest
+example (`--group_by_length` puts examples of similar length together); the share of padding is logged. The loop
+below is the whole procedure: prepare, accumulate, backward, clip, step, log, evaluate (accuracy, F1 for two
+classes), checkpoint, export the last or the best model with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch
+import torch.nn.functional as F
+from accelerate import skip_first_batches
+from accelerate.logging import get_logger
+from accelerate.utils import find_executable_batch_size, set_seed
+from datasets import ClassLabel
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForSequenceClassification, DataCollatorWithPadding
+
+from common.accumulation import accumulation_windows
+from common.args import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args, fail,
+                         validate_common, validate_finetuning)
+from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of, padding_counts
+from common.checkpoint import TrainingProgress, export_model, resolve_resume_path, save_checkpoint
+from common.data import get_tokenizer, load_raw_datasets
+from common.metrics import MetricsWriter, Throughput, peak_memory_bytes, write_all_results
+from common.modeling import count_parameters, enable_gradient_checkpointing, freeze_parameters
+from common.optim import create_optimizer_and_scheduler
+from common.runtime import build_accelerator, finish
+
+logger = get_logger(__name__)
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser, presets=())
+    add_data_args(parser)
+    add_training_args(parser)
+    add_finetuning_args(parser)
+    # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
+    parser.set_defaults(learning_rate=2e-5, weight_decay=0.01, adam_beta2=0.999, lr_scheduler_type="linear",
+                        attn_implementation=None)
+    g = parser.add_argument_group("classification")
+    g.add_argument("--text_pair_column", help="Second text of a pair (default: `text_pair` when the data has it).")
+    g.add_argument("--label_column", default="label")
+    g.add_argument("--pad_to_max_length", action="store_true",
+                   help="Pad every batch to --max_seq_length (the wasteful baseline that dynamic padding avoids).")
+    g.add_argument("--auto_find_batch_size", action="store_true",
+                   help="On out-of-memory: halve the batch, double the accumulation (same effective batch), restart.")
+    g.add_argument("--load_best_model_at_end", action="store_true",
+                   help="Export the model of the best evaluation (see --eval_steps) instead of the last one.")
+    g.add_argument("--metric_for_best_model", default="accuracy", choices=("accuracy", "f1", "loss"))
+    args = parser.parse_args(argv)
+    validate_common(args)
+    validate_finetuning(args)
+    if args.group_by_length and args.pad_to_max_length:
+        fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    config = AutoConfig.from_pretrained(args.model_name_or_path)  # cheap: checks the flags before any heavy work
+    if args.freeze_layers > config.num_hidden_layers:
+        fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if args.max_seq_length and max_positions and args.max_seq_length > max_positions:
+        fail(f"--max_seq_length {args.max_seq_length} is larger than the model's {max_positions} positions")
+    accelerator = build_accelerator(args)
+    if not args.auto_find_batch_size:
+        train(args, accelerator)
+    else:
+        # accelerate retries on out-of-memory errors with the batch size it is given; each attempt starts afresh.
+        effective_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+        def attempt(batch_size: int) -> None:
+            accelerator.free_memory()  # drop the failed attempt's prepared model and optimizer
+            set_seed(args.seed)
+            args.per_device_train_batch_size = batch_size
+            args.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = effective_batch // batch_size
+            logger.info(f"Trying {batch_size} per device x {args.gradient_accumulation_steps} accumulation steps")
+            train(args, accelerator)
+
+        def smaller() -> int:  # the largest divisor of the effective batch at most half the current batch
+            return max(d for d in range(1, args.per_device_train_batch_size // 2 + 1) if effective_batch % d == 0)
+
+        find_executable_batch_size(attempt, args.per_device_train_batch_size, reduce_batch_size_fn=smaller)()
+    finish(accelerator)
+
+
+def train(args, accelerator) -> None:
+    os.makedirs(args.output_dir, exist_ok=True)
+    ga = args.gradient_accumulation_steps
+
+    # ---- data: rows -> label ids + tokens; batches padded by the collator -------------------------------------------
+    pair_column = args.text_pair_column
+    columns = {args.text_column: "--text_column", args.label_column: "--label_column"}
+    if pair_column:
+        columns[pair_column] = "--text_pair_column"
+    raw = load_raw_datasets(args, columns)
+    if pair_column is None and "text_pair" in raw["train"].column_names:
+        pair_column = "text_pair"
+    tokenizer = get_tokenizer(args, accelerator, raw)
+    label_names, label_ids = discover_labels(raw, args.label_column)
+    if args.metric_for_best_model == "f1" and len(label_names) != 2:
+        fail(f"--metric_for_best_model f1 needs two labels (found {len(label_names)})")
+    max_length = args.max_seq_length or min(tokenizer.model_max_length, 512)
+
+    def tokenize(batch):
+        enc = tokenizer(batch[args.text_column], batch[pair_column] if pair_column else None, truncation=True,
+                        max_length=max_length)
+        enc["labels"] = [label_ids[v] for v in batch[args.label_column]]
+        enc["length"] = [len(ids) for ids in enc["input_ids"]]
+        return enc
+
+    with accelerator.main_process_first():
+        data = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
+                       remove_columns=raw["train"].column_names, desc="Tokenizing")
+    collator = DataCollatorWithPadding(tokenizer, padding="max_length" if args.pad_to_max_length else "longest",
+                                       max_length=max_length, pad_to_multiple_of=pad_to_multiple_of(accelerator))
+    sampler = None
+    if args.group_by_length:
+        sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
+        data["validation"] = data["validation"].sort("length")  # order is free: metrics are gathered, not streamed
+    data = data.remove_columns("length")
+    pin = args.dataloader_pin_memory and torch.cuda.is_available()
+    # drop_last: every micro-batch holds the same number of examples, so averaging the micro-batch means
+    # (accelerate's 1/accumulation, DDP's 1/processes) is exactly the mean over the optimizer step's examples.
+    train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None, drop_last=True,
+                                  batch_size=args.per_device_train_batch_size, collate_fn=collator,
+                                  num_workers=args.dataloader_num_workers, pin_memory=pin)
+    eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collator,
+                                 num_workers=args.dataloader_num_workers, pin_memory=pin)
+    steps_per_epoch = len(train_dataloader) // accelerator.num_processes // ga
+    if steps_per_epoch == 0:
+        fail(f"{len(data['train'])} training examples are fewer than one optimizer step needs "
+             f"({args.per_device_train_batch_size} x {ga} accumulation x {accelerator.num_processes} processes)")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+
+    # ---- model (new classification head), freezing, optimizer, schedule (in optimizer steps) -----------------------
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)}, problem_type="single_label_classification",
+        ignore_mismatched_sizes=True,  # a checkpoint with another head (other classes) gets a fresh one
+        dtype=torch.float32, attn_implementation=args.attn_implementation)
+    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    trainable, total_params = count_parameters(model)
+    optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
+
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    progress = TrainingProgress()
+    accelerator.register_for_checkpointing(progress)
+    resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+    if resume_path:
+        accelerator.load_state(resume_path)
+        logger.info(f"Resumed from {resume_path} at optimizer step {progress.step}")
+    if args.report_to != "none":
+        accelerator.init_trackers("finetune_classifier", config={k: v for k, v in vars(args).items()
+                                                                 if isinstance(v, (int, float, str, bool))})
+    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
+                f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
+                f"{len(data['train'])} training examples, {steps_per_epoch} optimizer steps per epoch, {total_steps} "
+                f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes}")
+
+    # Evaluate; with --load_best_model_at_end, export each model that beats the best so far.
+    metrics = MetricsWriter(args.output_dir, accelerator.is_main_process, resume_step=progress.step)
+    best = {}
+
+    def evaluate_and_keep_best(step: int) -> dict:
+        eval_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
+        metrics.write({"step": step, **eval_metrics})
+        accelerator.log(eval_metrics, step=step)
+        logger.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+        value, sign = eval_metrics[f"eval_{args.metric_for_best_model}"], -1 if args.metric_for_best_model == "loss" else 1
+        if not best or sign * value > sign * best["value"]:
+            best.update(value=value, step=step, metrics=eval_metrics)
+            if args.load_best_model_at_end:
+                export_model(accelerator, model, tokenizer, args.output_dir)
+        return eval_metrics
+
+    # ---- training loop ----------------------------------------------------------------------------------------------
+    throughput = Throughput()
+    loss_since_log = torch.zeros((), device=accelerator.device)
+    padding_since_log = torch.zeros((), dtype=torch.long, device=accelerator.device)
+    positions_since_log, steps_since_log, train_start = 0, 0, time.perf_counter()
+    run_padding = run_positions = 0
+    last_log: dict = {}
+    progress_bar = tqdm(total=total_steps, initial=progress.step, desc="train",
+                        disable=not accelerator.is_local_main_process)
+    model.train()
+    start_epoch, skip_steps = divmod(progress.step, steps_per_epoch)
+    for epoch in range(start_epoch, num_epochs):
+        train_dataloader.set_epoch(epoch)  # the same shuffle per epoch, for any process count and after a resume
+        batches = train_dataloader
+        if epoch == start_epoch and skip_steps:  # resume mid-epoch: skip the micro-batches already trained on
+            batches = skip_first_batches(train_dataloader, skip_steps * ga)
+        for window in accumulation_windows(batches, ga):
+            lr = lr_scheduler.get_last_lr()[0]
+            for batch in window:
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss  # mean over the micro-batch's examples
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    optimizer.step()
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                loss_since_log += loss.detach() / ga
+                padding, positions = padding_counts(batch)
+                padding_since_log += padding
+                positions_since_log += positions
+            progress.step += 1
+            steps_since_log += 1
+            progress_bar.update(1)
+            step = progress.step
+
+            if step % args.logging_steps == 0 or step == total_steps:
+                padding_total, positions_total = accelerator.reduce(torch.stack(
+                    [padding_since_log, torch.full_like(padding_since_log, positions_since_log)]), "sum").tolist()
+                run_padding, run_positions = run_padding + padding_total, run_positions + positions_total
+                throughput.add(positions_total - padding_total)  # real tokens: padding is wasted work
+                tokens_per_second, _ = throughput.report()
+                last_log = {
+                    "step": step, "epoch": round(step / steps_per_epoch, 4),
+                    "loss": accelerator.reduce(loss_since_log, "mean").item() / steps_since_log,
+                    "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens_per_second": tokens_per_second, "padding_fraction": padding_total / positions_total,
+                    "peak_memory_bytes": peak_memory_bytes(),
+                }
+                metrics.write(last_log)
+                accelerator.log(last_log, step=step)
+                progress_bar.set_postfix(loss=f"{last_log['loss']:.4f}", lr=f"{lr:.2e}",
+                                         pad=f"{last_log['padding_fraction']:.2f}")
+                loss_since_log.zero_()
+                padding_since_log.zero_()
+                positions_since_log = steps_since_log = 0
+            if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+                with throughput.paused():
+                    evaluate_and_keep_best(step)
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+                with throughput.paused():
+                    save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+            if step >= total_steps:
+                break
+        if progress.step >= total_steps:
+            break
+    progress_bar.close()
+    train_runtime = time.perf_counter() - train_start
+
+    # ---- final evaluation and export (the last model, or the best one already exported) ----------------------------
+    last_metrics = evaluate_and_keep_best(progress.step)
+    if not args.load_best_model_at_end:
+        export_model(accelerator, model, tokenizer, args.output_dir)
+    exported = best["metrics"] if args.load_best_model_at_end else last_metrics
+    if accelerator.is_main_process:
+        results = {**exported, "exported_step": best["step"] if args.load_best_model_at_end else progress.step,
+                   "train_loss": last_log.get("loss"), "train_steps": progress.step, "train_runtime": train_runtime,
+                   "padding_fraction": run_padding / max(run_positions, 1),
+                   "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
+                   "per_device_train_batch_size": args.per_device_train_batch_size,
+                   "gradient_accumulation_steps": ga, "num_processes": accelerator.num_processes,
+                   "peak_memory_bytes": peak_memory_bytes()}
+        write_all_results(args.output_dir, results)
+        logger.info(f"Exported model (step {results['exported_step']}): eval_accuracy "
+                    f"{exported['eval_accuracy']:.4f}. Model, tokenizer, metrics.jsonl and all_results.json are in "
+                    f"{args.output_dir}")
+
+
+def discover_labels(raw, column: str) -> tuple[list[str], dict]:
+    """(label names in id order, {value in the data: id}). A `ClassLabel` column keeps its names and ids; other
+    values (strings, numbers) are sorted, so the ids do not depend on the order of the rows."""
+    feature = raw["train"].features[column]
+    if isinstance(feature, ClassLabel):
+        return list(feature.names), {i: i for i in range(len(feature.names))}
+    values = set(raw["train"][column])
+    if None in values:
+        fail(f"the training split has rows without a label (column '{column}')")
+    values = sorted(values)
+    if len(values) < 2:
+        fail(f"column '{column}' holds a single label value ({values}); a classifier needs at least two")
+    unseen = set(raw["validation"][column]) - set(values)
+    if unseen:
+        fail(f"the validation split has labels the training split lacks: {sorted(map(str, unseen))[:5]}")
+    return [str(v) for v in values], {v: i for i, v in enumerate(values)}
+
+
+@torch.no_grad()
+def evaluate(model, dataloader, accelerator, num_labels: int) -> dict[str, float]:
+    """Loss and accuracy over the whole evaluation set (F1 of label id 1 when there are two labels).
+
+    `gather_for_metrics` drops the examples a process repeated to even out the last batch: the figures are the same
+    for any number of processes.
+    """
+    model.eval()
+    predictions, references, losses = [], [], []
+    for batch in dataloader:
+        labels = batch.pop("labels")
+        logits = model(**batch).logits.float()
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        p, r, l = accelerator.gather_for_metrics((logits.argmax(-1), labels, loss))
+        predictions.append(p)
+        references.append(r)
+        losses.append(l)
+    model.train()
+    predictions, references = torch.cat(predictions), torch.cat(references)
+    results = {"eval_loss": torch.cat(losses).mean().item(),
+               "eval_accuracy": (predictions == references).float().mean().item()}
+    if num_labels == 2:
+        tp = ((predictions == 1) & (references == 1)).sum().item()
+        fp = ((predictions == 1) & (references == 0)).sum().item()
+        fn = ((predictions == 0) & (references == 1)).sum().item()
+        results["eval_f1"] = 2 * tp / max(2 * tp + fp + fn, 1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
