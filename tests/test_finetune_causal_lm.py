@@ -1,0 +1,181 @@
+"""Supervised fine-tuning: the exact token-mean loss under accumulation, processes and packing; prompt masking.
+
+The data has widely varying prompt and response lengths, the case where the naive `loss / accumulation_steps`
+goes wrong. Tolerances: the same weights within WEIGHT_TOL (float32 summation order), and the naive version is
+shown, on the same data and model, to move the weights by more than 100 x WEIGHT_TOL away from the full batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPTS, read_metrics, run_script, train_losses
+from safetensors.torch import load_file
+
+WEIGHT_TOL = 1e-5
+LR = "1e-3"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory) -> dict[str, str]:
+    """A tiny Llama with its own byte-level BPE tokenizer, and prompt/completion data of very uneven lengths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.data import train_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("sft")
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    rows = []
+    for _ in range(80):
+        prompt = "Q: " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 60))) + "\nA:"
+        completion = " " + " ".join(rng.choice(words) for _ in range(rng.choice([1, 2, 3, 40, 80])))
+        rows.append({"prompt": prompt, "completion": completion})
+    paths = {"dir": str(d)}
+    for split, part in (("train", rows[:64]), ("validation", rows[64:])):
+        paths[split] = str(d / f"{split}.jsonl")
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    tokenizer = train_bpe_tokenizer([r["prompt"] + r["completion"] for r in rows], 300)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    paths["model"] = str(d / "base")
+    LlamaForCausalLM(config).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    return paths
+
+
+def finetune(sft: dict, out: str, *args: str, launcher: list[str] | None = None) -> str:
+    run_script("finetune_causal_lm.py", "--model_name_or_path", sft["model"], "--train_file", sft["train"],
+               "--validation_file", sft["validation"], "--output_dir", out, "--max_steps", "3", "--learning_rate", LR,
+               "--logging_steps", "1", "--seed", "0", *args, launcher=launcher)
+    return out
+
+
+def weights(folder: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_prompt_tokens_are_masked_and_eos_is_learned(sft):
+    ft = load_script("finetune_causal_lm")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sft["model"])
+    prompt, completion = "Q: alpha beta\nA:", " gamma delta"
+    ids, labels = ft.tokenize_with_response_labels(tokenizer, prompt + completion,
+                                                   [(len(prompt), len(prompt + completion))], plain_text=True)
+    learned = [t for t in labels if t != -100]
+    assert tokenizer.decode(learned[:-1]) == completion and learned[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode([t for t, label in zip(ids, labels) if label == -100]) == prompt
+
+
+def test_chat_template_trains_on_assistant_turns_only(sft):
+    ft = load_script("finetune_causal_lm")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sft["model"])
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "alpha?"},
+                {"role": "assistant", "content": "beta"}, {"role": "user", "content": "gamma?"},
+                {"role": "assistant", "content": "delta delta"}]
+    text, spans = ft.render_chat(tokenizer, messages)
+    assert [text[a:b] for a, b in spans] == ["beta<|endoftext|>", "delta delta<|endoftext|>"]
+    ids, labels = ft.tokenize_with_response_labels(tokenizer, text, spans, plain_text=False)
+    assert len(ids) == len(labels) and ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode([t for t in labels if t != -100]) == "beta<|endoftext|>delta delta<|endoftext|>"
+
+
+def test_exact_loss_equals_full_batch_and_naive_does_not(sft):
+    """In-process, on the script's own tokenization: 4 micro-batches of 2 vs one batch of 8, three AdamW steps."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
+
+    from common.accumulation import backward_loss, count_label_tokens
+
+    ft = load_script("finetune_causal_lm")
+    tokenizer = AutoTokenizer.from_pretrained(sft["model"])
+    collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
+    with open(sft["train"]) as f:
+        rows = [json.loads(line) for line in f][:24]
+    examples = []
+    for r in rows:
+        text = r["prompt"] + r["completion"]
+        ids, labels = ft.tokenize_with_response_labels(tokenizer, text, [(len(r["prompt"]), len(text))], True)
+        examples.append({"input_ids": ids, "labels": labels})
+    counts = [sum(label != -100 for label in e["labels"][1:]) for e in examples]
+    assert max(counts) > 10 * min(counts)  # the lengths really are uneven
+
+    def train(mode: str) -> dict[str, torch.Tensor]:
+        ga = 1 if mode == "full" else 4
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ga)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(sft["model"], dtype=torch.float32)
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=float(LR)))
+        for step in range(3):
+            chunk = examples[8 * step:8 * step + 8]
+            window = [collate(chunk)] if mode == "full" else [collate(chunk[i:i + 2]) for i in range(0, 8, 2)]
+            num_items = count_label_tokens(window, accelerator)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    if mode == "naive":  # the model's mean over this micro-batch, divided by accumulate()
+                        loss = model(**batch).loss
+                    else:
+                        loss, _ = backward_loss(model(**batch, num_items_in_batch=num_items), accelerator)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    full, exact, naive = train("full"), train("exact"), train("naive")
+    assert max_difference(exact, full) < WEIGHT_TOL
+    assert max_difference(naive, full) > 100 * WEIGHT_TOL
+
+
+def test_accumulation_processes_and_packing_give_the_same_weights(sft):
+    """8 x 1, 2 x 4, 2 processes x 2 x 2 and packed 2 x 4 train on the same examples per step: same weights."""
+    d = sft["dir"]
+    reference = weights(finetune(sft, f"{d}/b8", "--per_device_train_batch_size", "8"))
+    runs = {
+        "2x4": finetune(sft, f"{d}/b2ga4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"),
+        "packed 2x4": finetune(sft, f"{d}/packed", "--per_device_train_batch_size", "2",
+                               "--gradient_accumulation_steps", "4", "--packing"),
+        "2 processes x 2 x 2": finetune(
+            sft, f"{d}/ddp", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            launcher=[os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
+                      "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                      "--dynamo_backend", "no"]),
+    }
+    reference_losses = train_losses(f"{d}/b8")
+    assert len(reference_losses) == 3
+    for name, out in runs.items():
+        assert max_difference(weights(out), reference) < WEIGHT_TOL, name
+        assert train_losses(out) == pytest.approx(reference_losses, abs=1e-5), name
+    packed_rows = [r for r in read_metrics(runs["packed 2x4"]) if "loss" in r]
+    assert all(r["padding_fraction"] == 0.0 for r in packed_rows)
+    with open(os.path.join(runs["2 processes x 2 x 2"], "all_results.json")) as f:
+        assert json.load(f)["num_processes"] == 2
