@@ -179,3 +179,42 @@ def test_accumulation_processes_and_packing_give_the_same_weights(sft):
     assert all(r["padding_fraction"] == 0.0 for r in packed_rows)
     with open(os.path.join(runs["2 processes x 2 x 2"], "all_results.json")) as f:
         assert json.load(f)["num_processes"] == 2
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_pretrain_then_finetune_on_chat_turns(corpus, tmp_path):
+    """The tutorial path: fine-tune the folder pretrain_llama.py exports, on chat data with a template file.
+    The evaluation counts exactly the assistant tokens (content + end-of-turn) of the validation conversations."""
+    from transformers import AutoTokenizer
+
+    pretrained = str(tmp_path / "pretrain")
+    run_script("pretrain_llama.py", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+               "--tokenizer_vocab_size", "512", "--block_size", "64", "--cache_dir", str(tmp_path / "cache"),
+               "--output_dir", pretrained, "--max_steps", "2", "--sample_max_new_tokens", "0")
+    rng = random.Random(0)
+    words = "the model reads tokens and learns to predict".split()
+    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))  # noqa: E731
+    paths = {}
+    for split, n in (("train", 32), ("validation", 8)):
+        paths[split] = tmp_path / f"chat_{split}.jsonl"
+        with open(paths[split], "w") as f:
+            for i in range(n):
+                turns = [{"role": "user", "content": say()}, {"role": "assistant", "content": say()}]
+                turns += [{"role": "user", "content": say()}, {"role": "assistant", "content": say()}] if i % 2 else []
+                f.write(json.dumps({"messages": turns}) + "\n")
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    out = str(tmp_path / "sft")
+    run_script("finetune_causal_lm.py", "--model_name_or_path", pretrained, "--train_file", str(paths["train"]),
+               "--validation_file", str(paths["validation"]), "--chat_template", str(tmp_path / "chat.jinja"),
+               "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "4")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template == CHAT_TEMPLATE  # exported with the model
+    with open(paths["validation"]) as f:
+        conversations = [json.loads(line)["messages"] for line in f]
+    expected = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) + 1  # + <|endoftext|>
+                   for turns in conversations for m in turns if m["role"] == "assistant")
+    with open(os.path.join(out, "all_results.json")) as f:
+        assert json.load(f)["eval_tokens"] == expected
