@@ -102,3 +102,16 @@ def test_default_run_uses_the_embedded_corpus(tmp_path):
     assert "Training a byte-level BPE tokenizer" not in proc.stderr  # reused, not retrained
     assert os.path.getmtime(tmp_path / "cache" / cached[1] / "tokenizer.json") == stamp
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")  # same seed, same data: same run
+
+
+def test_moe_preset_trains_in_bf16_and_exports_a_mixtral(corpus, tmp_path):
+    from transformers import AutoConfig
+
+    args = pretrain_args(corpus, tmp_path, "moe", "--model_preset", "moe-tiny", "--max_steps", "10",
+                         "--learning_rate", "3e-3", "--warmup_steps", "1")
+    args[args.index("--mixed_precision") + 1] = "bf16"
+    run_script("pretrain_llama.py", *args)
+    losses = train_losses(tmp_path / "moe")
+    assert losses[10] < losses[1] - 0.5
+    config = AutoConfig.from_pretrained(tmp_path / "moe")
+    assert config.model_type == "mixtral" and config.num_local_experts == 4
