@@ -32,6 +32,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     extra = {}
     if not torch.cuda.is_available():
         use_all_cores()
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             extra["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         else:
