@@ -8,6 +8,7 @@ import shutil
 
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
 
 from common.args import fail
 
@@ -68,8 +69,11 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
     dropped so the keys carry no `_orig_mod.` prefix.
     """
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    # Sharded models need the collective gather; elsewhere the unwrapped module's own state dict is complete
+    # (`get_state_dict` would keep the compiled wrapper's `_orig_mod.` prefix).
+    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    state_dict = accelerator.get_state_dict(model) if sharded else None
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
                               save_function=accelerator.save, safe_serialization=True)
     if accelerator.is_main_process and tokenizer is not None:

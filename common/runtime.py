@@ -31,6 +31,8 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     """
     extra = {}
     if not torch.cuda.is_available():
+        use_all_cores()
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             extra["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         else:
@@ -65,6 +67,19 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     set_seed(args.seed)
     logger.info(accelerator.state, main_process_only=True)
     return accelerator
+
+
+def use_all_cores() -> None:
+    """CPU runs: share the machine's cores among the local processes.
+
+    `accelerate launch` without `--cpu` starts each process with OMP_NUM_THREADS=1, which halves the speed of a
+    one-process run on a 2-core machine. A value other than 1 is taken as the user's choice and kept.
+    """
+    if os.environ.get("OMP_NUM_THREADS", "1") != "1":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
 
 
 def finish(accelerator: Accelerator) -> None:

@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None):
     if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
         fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
              " it or --overwrite_output_dir to start over")
+    args.resume_from_checkpoint = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
     return args
 
 
@@ -109,10 +110,9 @@ def train(args, config, accelerator) -> None:
     progress = TrainingProgress()
     accelerator.register_for_checkpointing(progress)
 
-    resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
-    if resume_path:
-        accelerator.load_state(resume_path)
-        logger.info(f"Resumed from {resume_path} at optimizer step {progress.step}")
+    if args.resume_from_checkpoint:
+        accelerator.load_state(args.resume_from_checkpoint)
+        logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
     if args.report_to != "none":
         accelerator.init_trackers("pretrain_llama", config={k: v for k, v in vars(args).items()
                                                             if isinstance(v, (int, float, str, bool))})

@@ -1,0 +1,117 @@
+"""scripts/pretrain_llama.py end to end: accumulation, resume, export, the embedded default corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_metrics, run_script, train_losses
+
+
+def pretrain_args(corpus, tmp_path, output: str, *extra: str) -> list[str]:
+    return ["--train_file", corpus["train"], "--validation_file", corpus["validation"],
+            "--tokenizer_vocab_size", "512", "--block_size", "64", "--cache_dir", str(tmp_path / "cache"),
+            "--output_dir", str(tmp_path / output), "--logging_steps", "1", "--sample_max_new_tokens", "0",
+            "--mixed_precision", "no", *extra]
+
+
+def weights(output_dir) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(output_dir, "model.safetensors"))
+
+
+def max_weight_diff(a, b) -> float:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def test_accumulation_equals_big_batch_and_loss_falls(corpus, tmp_path):
+    """8 x 1 and 2 x 4 see the same 8 sequences per optimizer step: same losses, same weights (fp32)."""
+    common = ("--max_steps", "12", "--learning_rate", "3e-3", "--warmup_steps", "2")
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "big", "--per_device_train_batch_size", "8",
+                                                   "--gradient_accumulation_steps", "1", *common))
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "acc", "--per_device_train_batch_size", "2",
+                                                   "--gradient_accumulation_steps", "4", *common))
+    big, acc = train_losses(tmp_path / "big"), train_losses(tmp_path / "acc")
+    assert sorted(big) == list(range(1, 13))
+    assert [acc[s] for s in big] == pytest.approx([big[s] for s in big], abs=1e-5)
+    assert max_weight_diff(tmp_path / "big", tmp_path / "acc") < 1e-4  # Adam's normalised steps, fp32 reordering
+    assert big[12] < big[1] - 1.0  # it learns: the loss falls by more than a nat in 12 steps
+    results = json.loads((tmp_path / "big" / "all_results.json").read_text())
+    assert results["train_steps"] == 12 and results["perplexity"] == pytest.approx(2.718281828 ** results["eval_loss"])
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "big") if "lr" in r]
+    assert lrs[:3] == pytest.approx([0.0, 1.5e-3, 3e-3])  # transformers' linear warmup over 2 optimizer steps
+    assert all(r["grad_norm"] > 0 and r["tokens_per_second"] > 0 for r in read_metrics(tmp_path / "big") if "lr" in r)
+
+
+def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, tmp_path):
+    """Checkpoint at step 5 (mid-epoch), resume from it in a new folder: steps 6..12 (across an epoch boundary)
+    log the same losses and end with the same weights as the run that never stopped."""
+    common = ("--max_steps", "12", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+              "--max_train_samples", "60", "--learning_rate", "3e-3")
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "full", "--checkpointing_steps", "5",
+                                                   "--save_total_limit", "1", *common))
+    checkpoints = sorted(os.listdir(tmp_path / "full" / "checkpoints"))
+    assert checkpoints == ["step_10"]  # save_total_limit 1 pruned step_5
+    # Re-create the interrupted run: a fresh folder whose only state is the step-5 checkpoint of an identical run.
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "first", "--checkpointing_steps", "5",
+                                                   "--save_total_limit", "3", *common))
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(tmp_path / "first" / "checkpoints" / "step_5", resumed / "checkpoints" / "step_5")
+    proc = run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "resumed", "--resume_from_checkpoint",
+                                                          "latest", *common))
+    assert "Resumed from" in proc.stderr + proc.stdout
+    full, again = train_losses(tmp_path / "full"), train_losses(resumed)
+    assert sorted(again) == list(range(6, 13))
+    per_epoch = json.loads((tmp_path / "full" / "all_results.json").read_text())["train_steps"]
+    assert per_epoch == 12
+    assert [again[s] for s in again] == pytest.approx([full[s] for s in again], abs=1e-6)
+    assert max_weight_diff(tmp_path / "full", resumed) < 1e-6
+
+
+def test_compiled_export_loads_and_generates(corpus, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "out", "--max_steps", "2", "--torch_compile",
+                                                   "--sample_max_new_tokens", "8"))
+    out = tmp_path / "out"
+    assert not [k for k in weights(out) if "_orig_mod" in k]
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    generated = model.generate(**tokenizer("the model", return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == len(tokenizer("the model")["input_ids"]) + 5
+    assert json.loads((out / "all_results.json").read_text())["sample"].startswith("def")
+
+
+def test_default_run_uses_the_embedded_corpus(tmp_path):
+    """No data flags: the stdlib corpus and a tokenizer trained on it, both cached for the next run."""
+    args = ["--cache_dir", str(tmp_path / "cache"), "--max_steps", "2", "--max_eval_samples", "4",
+            "--sample_max_new_tokens", "4", "--logging_steps", "1"]
+    run_script("pretrain_llama.py", "--output_dir", str(tmp_path / "a"), *args)
+    cached = sorted(os.listdir(tmp_path / "cache"))
+    assert [c.split("-")[0] for c in cached] == ["stdlib", "tokenizer"]
+    stamp = os.path.getmtime(tmp_path / "cache" / cached[1] / "tokenizer.json")
+    proc = run_script("pretrain_llama.py", "--output_dir", str(tmp_path / "b"), *args)
+    assert "Training a byte-level BPE tokenizer" not in proc.stderr  # reused, not retrained
+    assert os.path.getmtime(tmp_path / "cache" / cached[1] / "tokenizer.json") == stamp
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")  # same seed, same data: same run
+
+
+def test_moe_preset_trains_in_bf16_and_exports_a_mixtral(corpus, tmp_path):
+    from transformers import AutoConfig
+
+    args = pretrain_args(corpus, tmp_path, "moe", "--model_preset", "moe-tiny", "--max_steps", "10",
+                         "--learning_rate", "3e-3", "--warmup_steps", "1")
+    args[args.index("--mixed_precision") + 1] = "bf16"
+    run_script("pretrain_llama.py", *args)
+    losses = train_losses(tmp_path / "moe")
+    assert losses[10] < losses[1] - 0.5
+    config = AutoConfig.from_pretrained(tmp_path / "moe")
+    assert config.model_type == "mixtral" and config.num_local_experts == 4
