@@ -186,8 +186,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
 
 
 def test_pretrain_then_finetune_on_chat_turns(corpus, tmp_path):
-    """The tutorial path: fine-tune the folder pretrain_llama.py exports, on chat data with a template file.
-    The evaluation counts exactly the assistant tokens (content + end-of-turn) of the validation conversations."""
+    """The tutorial path: fine-tune the folder pretrain_llama.py exports, on chat data with a template file, with
+    frozen embeddings. The evaluation counts exactly the assistant tokens (content + end-of-turn)."""
     from transformers import AutoTokenizer
 
     pretrained = str(tmp_path / "pretrain")
@@ -209,7 +209,7 @@ def test_pretrain_then_finetune_on_chat_turns(corpus, tmp_path):
     out = str(tmp_path / "sft")
     run_script("finetune_causal_lm.py", "--model_name_or_path", pretrained, "--train_file", str(paths["train"]),
                "--validation_file", str(paths["validation"]), "--chat_template", str(tmp_path / "chat.jinja"),
-               "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "4")
+               "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "4", "--freeze_embeddings")
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template == CHAT_TEMPLATE  # exported with the model
     with open(paths["validation"]) as f:
@@ -217,4 +217,10 @@ def test_pretrain_then_finetune_on_chat_turns(corpus, tmp_path):
     expected = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) + 1  # + <|endoftext|>
                    for turns in conversations for m in turns if m["role"] == "assistant")
     with open(os.path.join(out, "all_results.json")) as f:
-        assert json.load(f)["eval_tokens"] == expected
+        r = json.load(f)
+    assert r["eval_tokens"] == expected
+    # --freeze_embeddings on a decoder: the input embedding keeps every bit, the (untied) output head trains.
+    before, after = weights(pretrained), weights(out)
+    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+    assert r["trainable_parameters"] == r["num_parameters"] - before["model.embed_tokens.weight"].numel()
