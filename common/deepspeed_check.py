@@ -58,9 +58,7 @@ def check_deepspeed_config(args: argparse.Namespace) -> None:
         value = found.get(key)
         if value is None or value == "auto":
             continue
-        same = [float(v) for v in value] == [float(v) for v in want] if isinstance(want, list) else \
-            (value == want if isinstance(want, bool) else float(value) == float(want))
-        if not same:
+        if not _same(value, want):
             clashes.append(f"{key}={json.dumps(value)} but {flags} gives {json.dumps(want)}")
     if clashes:
         fail(f"DeepSpeed config {path} contradicts the script's flags: {'; '.join(clashes)}. "
@@ -76,3 +74,13 @@ def check_deepspeed_config(args: argparse.Namespace) -> None:
         # accelerate fills an "auto" gradient_clipping with 1.0 whatever the script says; its launcher's own
         # variable carries the flag instead (0 disables clipping, as without DeepSpeed).
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(args.max_grad_norm)
+
+
+def _same(value, want) -> bool:
+    """JSON value vs flag value: numbers compare as floats (1 == 1.0), lists element-wise, booleans exactly."""
+    try:
+        if isinstance(want, list):
+            return len(value) == len(want) and all(float(v) == float(w) for v, w in zip(value, want))
+        return value is want if isinstance(want, bool) else float(value) == float(want)
+    except (TypeError, ValueError):
+        return False

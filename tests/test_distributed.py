@@ -103,9 +103,9 @@ def assert_same_training(run_dir, reference_dir, steps=(1, 2, 3, 4)) -> str:
 
 @pytest.fixture(scope="module")
 def reference(corpus, init_model, tmp_path_factory):
-    """One process, 4 sequences x 2 accumulation steps: the run every config must reproduce."""
+    """One process (cpu_1proc.yaml), 4 sequences x 2 accumulation steps: the run every config must reproduce."""
     out = tmp_path_factory.mktemp("runs") / "reference"
-    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4))
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4), launcher=launcher("cpu_1proc.yaml", 1))
     return out
 
 
