@@ -19,6 +19,8 @@ from accelerate.utils import (
     set_seed,
 )
 
+from common.deepspeed_check import check_deepspeed_config
+
 logger = get_logger(__name__)
 
 
@@ -29,6 +31,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DDP launched without `cpu=True` starts N *unsynchronised* processes without any error;
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off.
     """
+    check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
     extra = {}
     if not torch.cuda.is_available():
         use_all_cores()
