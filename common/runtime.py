@@ -19,6 +19,7 @@ from accelerate.utils import (
     set_seed,
 )
 
+from common.args import fail
 from common.deepspeed_check import check_deepspeed_config
 
 logger = get_logger(__name__)
@@ -36,6 +37,9 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     if not torch.cuda.is_available():
         use_all_cores()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            fail("FSDP needs CUDA GPUs (on CPU it would quietly run as plain DDP); use accelerate_configs/cpu_2proc.yaml"
+                 " or a DeepSpeed ZeRO config")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             extra["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         else:
