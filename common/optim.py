@@ -9,11 +9,15 @@ from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are not decayed."""
+    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are not decayed.
+
+    Under DeepSpeed ZeRO-3 a parameter built partitioned is an empty 1-D tensor; `ds_shape` keeps its real shape.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    is_matrix = {id(p): len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params}
     return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if is_matrix[id(p)]], "weight_decay": weight_decay},
+        {"params": [p for p in params if not is_matrix[id(p)]], "weight_decay": 0.0},
     ]
 
 
@@ -62,5 +66,11 @@ def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, a
         return optimizer, DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup)
     extra = {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}} if args.lr_scheduler_type == "cosine_with_min_lr" \
         else {}
-    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                    num_training_steps=total_steps, **extra)
+
+    def schedule(opt):
+        return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=warmup, num_training_steps=total_steps,
+                             **extra)
+
+    if isinstance(optimizer, DummyOptim):  # the optimizer only exists inside DeepSpeed: build the schedule there
+        return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=schedule)
+    return optimizer, schedule(optimizer)

@@ -19,6 +19,9 @@ from accelerate.utils import (
     set_seed,
 )
 
+from common.args import fail
+from common.deepspeed_check import check_deepspeed_config
+
 logger = get_logger(__name__)
 
 
@@ -29,10 +32,14 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DDP launched without `cpu=True` starts N *unsynchronised* processes without any error;
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off.
     """
+    check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
     extra = {}
     if not torch.cuda.is_available():
         use_all_cores()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            fail("FSDP needs CUDA GPUs (on CPU it would quietly run as plain DDP); use accelerate_configs/cpu_2proc.yaml"
+                 " or a DeepSpeed ZeRO config")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             extra["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         else:

@@ -67,3 +67,14 @@ def test_too_little_data_is_one_line_too(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("error: the train split holds fewer than --block_size=256 tokens;"
                                                     " use more data or a smaller --block_size")
+
+
+def test_fsdp_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_path):
+    from common.runtime import build_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    args = pretrain.parse_args(["--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exc:
+        build_accelerator(args)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: FSDP needs CUDA GPUs")

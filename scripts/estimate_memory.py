@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""Which launch config fits a model: per-GPU and host memory of every option in accelerate_configs/, as Markdown.
+
+    python scripts/estimate_memory.py --model_preset 1b --num_gpus 1 --gpu_memory_gb 80
+    python scripts/estimate_memory.py --params 70e9 --num_gpus 16 --gpus_per_node 8 --gpu_memory_gb 80
+    python scripts/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
+
+Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed precision, AdamW):
+- Plain PyTorch with autocast (single_gpu.yaml, multi_gpu.yaml): fp32 weights 4 + fp32 gradients 4 + Adam m and v 8
+  + the bf16 weight copies autocast keeps for the backward pass 2 = 18. DDP adds its gradient buckets, a second fp32
+  copy of the gradients: 22. 8-bit AdamW (bitsandbytes) stores m and v in 1 byte each: 6 less.
+- DeepSpeed ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054): bf16 weights 2 + bf16 gradients 2 + K = 12 optimizer
+  bytes (fp32 master weights, m, v), of which stage 1 partitions the optimizer (4 + 12/N), stage 2 also the
+  gradients (2 + 14/N), stage 3 also the weights (16/N). With a client 8-bit optimizer K = 6.
+- FSDP2 full shard: fp32 weights, gradients, m and v all sharded: 16/N.
+- ZeRO-3 and FSDP2 also hold the gathered bf16 weights and gradients of the unit being computed (4 bytes per
+  parameter of the largest decoder layer or embedding).
+- Offload: ZeRO-2 moves fp32 master weights, m, v and the fp32 gradients to host RAM (16 per parameter, over the
+  nodes), the GPU keeps bf16 weights (2) and its gradient partition (2/N). ZeRO-3 with parameter offload keeps only
+  the unit being computed on the GPU; host RAM holds 18 per parameter (+ bf16 weights).
+- Activations per GPU (Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s, hidden h, L layers,
+  a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
+  L·s·b·h·34. With --gradient_checkpointing only each layer's bf16 input stays (2·s·b·h·L) plus one layer's
+  activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient).
+- Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
+  (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
+A config "fits" when its per-GPU total stays under 90% of the GPU's memory (the rest: CUDA context, allocator
+fragmentation, communication buffers), and its host total under 90% of --host_memory_gb when that is given. The
+pick is the first fitting row (rows run fastest first), preferring activation checkpointing (~20-30% slower) to
+offload (the optimizer step then runs on the CPU).
+Estimates, not measurements: check the first steps' peak_memory_bytes in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from common.args import ArgumentParser, fail  # noqa: E402
+from common.modeling import PRESETS  # noqa: E402
+
+GB = 1e9
+HEADROOM = 0.9
+
+
+@dataclass
+class ModelShape:
+    params: int
+    largest_unit: int  # parameters gathered at once under ZeRO-3 / FSDP2
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+
+
+@dataclass
+class Option:
+    config: str          # file in accelerate_configs/
+    flags: str           # script flags it needs
+    what: str
+    states: float        # bytes per GPU: weights, gradients, optimizer states (and gathered unit)
+    host: float          # bytes per node
+    bytes_per_param: float  # states per GPU / Ψ, without the gathered unit
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """Parameter count and shape: from --params, or from a config instantiated on the meta device (no memory)."""
+    if args.params:
+        return ModelShape(params=int(args.params), largest_unit=0)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.modeling import load_config
+
+    config = load_config(argparse.Namespace(model_name_or_path=None, config_name=args.config_name,
+                                            model_preset=args.model_preset))
+    if args.vocab_size:
+        config.vocab_size = args.vocab_size
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    units = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model.base_model, "layers", [])]
+    units += [model.get_input_embeddings().weight.numel(), model.get_output_embeddings().weight.numel()]
+    return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_unit=max(units),
+                      layers=config.num_hidden_layers, hidden=config.hidden_size,
+                      heads=config.num_attention_heads, vocab=config.vocab_size)
+
+
+def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True) -> float:
+    """Per-GPU activation memory of one micro-batch (see the module docstring)."""
+    s, b, h, layers = seq, batch, shape.hidden, shape.layers
+    per_layer = s * b * h * (34 + (0 if sdpa else 5 * shape.heads * s / h))
+    logits = s * b * shape.vocab * 10
+    if checkpointing:
+        return 2 * s * b * h * layers + per_layer + logits
+    return layers * per_layer + logits
+
+
+def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option]:
+    """Every launch config with its model-state bytes per GPU and host bytes per node, fastest first."""
+    psi, n, g = shape.params, num_gpus, gpus_per_node
+    nodes = math.ceil(n / g)
+    unit = 4 * shape.largest_unit
+    build = 4 * psi * min(g, n)  # each process of a node builds the fp32 model on the CPU first
+    ddp = "single_gpu.yaml" if n == 1 else "multi_gpu.yaml" if nodes == 1 else "multi_node.yaml"
+    buckets = 0 if n == 1 else 4  # DDP's gradient buckets
+    eight_bit = "--optim adamw_8bit"
+    table = [
+        (ddp, "", "PyTorch AdamW" + (", DDP" if n > 1 else ""), 18 + buckets, 0, build),
+        (ddp, eight_bit, "bitsandbytes 8-bit AdamW", 12 + buckets, 0, build),
+        ("deepspeed_zero1.yaml", "", "ZeRO-1: optimizer states sharded", 4 + 12 / n, 0, build),
+        ("deepspeed_zero2.yaml", "", "ZeRO-2: + gradients sharded", 2 + 14 / n, 0, build),
+        ("deepspeed_zero2.yaml", eight_bit, "ZeRO-2, 8-bit AdamW", 2 + 8 / n, 0, build),
+        ("fsdp2.yaml", "", "FSDP2 full shard", 16 / n, unit, 4 * psi),
+        ("deepspeed_zero3.yaml", "", "ZeRO-3: + weights sharded", 16 / n, unit, 0),
+        ("deepspeed_zero2_offload.yaml", "", "ZeRO-2, optimizer on CPU", 2 + 2 / n, 0, max(build, 16 * psi / nodes)),
+        ("deepspeed_zero3_offload.yaml", "", "ZeRO-3, optimizer + weights on CPU", 0, unit, 18 * psi / nodes),
+    ]
+    return [Option(config, flags, what, per_param * psi + gathered, host, per_param)
+            for config, flags, what, per_param, gathered, host in table]
+
+
+def fits(total: float | None, limit: float) -> bool:
+    return total is not None and total <= HEADROOM * limit
+
+
+def report(args: argparse.Namespace) -> str:
+    shape = model_shape(args)
+    gpus_per_node = args.gpus_per_node or min(args.num_gpus, 8)
+    gpu_limit, host_limit = args.gpu_memory_gb * GB, (args.host_memory_gb or math.inf) * GB
+    sdpa = args.attn_implementation != "eager"
+    acts = None if shape.hidden is None else [
+        activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, sdpa) for ckpt in (False, True)]
+    source = f"--params {args.params:.3g}" if args.params else (args.config_name or f"preset {args.model_preset}")
+    lines = [f"Model: {source}, {shape.params / 1e9:.3g}B parameters; {args.num_gpus} GPU(s) of "
+             f"{args.gpu_memory_gb:g} GB ({gpus_per_node} per node)"
+             + (f", {args.host_memory_gb:g} GB host RAM per node" if args.host_memory_gb else "")
+             + (f"; micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.attn_implementation}"
+                if acts else "; activations not included (give --model_preset or --config_name)"),
+             "",
+             "| config | what | model states, bytes/param per GPU | model states per GPU | activations per GPU "
+             "(plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    candidates = []  # (rank, option, needs checkpointing): offload is slower than recomputing activations
+    for index, opt in enumerate(options(shape, args.num_gpus, gpus_per_node)):
+        totals = [opt.states + a for a in acts] if acts else [opt.states, None]
+        host_ok = opt.host <= HEADROOM * host_limit
+        verdict = ("yes" if fits(totals[0], gpu_limit) else
+                   "with `--gradient_checkpointing`" if fits(totals[1], gpu_limit) else "no")
+        if verdict != "no" and not host_ok:
+            verdict = "no (host RAM)"
+        if verdict in ("yes", "with `--gradient_checkpointing`"):
+            candidates.append(((("offload" in opt.config), verdict != "yes", index), opt, verdict != "yes"))
+        act = f"{acts[0] / GB:.1f} / {acts[1] / GB:.1f} GB" if acts else "n/a"
+        total = f"{totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB" if acts else f"{totals[0] / GB:.1f} GB + activations"
+        name = opt.config + (f" + `{opt.flags}`" if opt.flags else "")
+        lines.append(f"| {name} | {opt.what} | {opt.bytes_per_param:.3g} | {opt.states / GB:.1f} GB | {act} | "
+                     f"{total} | {opt.host / GB:.1f} GB | {verdict} |")
+    lines.append("")
+    if not candidates:
+        lines.append("Nothing fits: add GPUs, shorten --seq_len / --micro_batch_size, or use "
+                     "deepspeed_zero3_nvme_offload.yaml.")
+    else:
+        _, best, checkpointing = min(candidates, key=lambda c: c[0])
+        bf16 = "--bf16" if best.config.startswith("deepspeed_") else ""  # their YAMLs leave precision to the flags
+        flags = " ".join(f for f in (bf16, best.flags, "--gradient_checkpointing" if checkpointing else "") if f)
+        lines.append(f"Fastest that fits: `accelerate launch --config_file accelerate_configs/{best.config} "
+                     f"scripts/pretrain_llama.py{' ' + flags if flags else ''}`"
+                     + ("." if acts else " (model states only: activations come on top)."))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--params", type=float, help="Parameter count, e.g. 7e9 (activations then left out).")
+    model.add_argument("--model_preset", choices=PRESETS, help="A preset of scripts/pretrain_llama.py.")
+    model.add_argument("--config_name", help="A model config (local path or hub id).")
+    parser.add_argument("--vocab_size", type=int, help="Override the config's vocabulary size.")
+    parser.add_argument("--num_gpus", type=int, default=1, help="GPUs in all.")
+    parser.add_argument("--gpus_per_node", type=int, help="Default: num_gpus, at most 8.")
+    parser.add_argument("--gpu_memory_gb", type=float, default=80)
+    parser.add_argument("--host_memory_gb", type=float, help="Host RAM per node; default: not checked.")
+    parser.add_argument("--seq_len", type=int, default=2048, help="Tokens per sequence (--block_size).")
+    parser.add_argument("--micro_batch_size", type=int, default=1, help="--per_device_train_batch_size.")
+    parser.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    args = parser.parse_args(argv)
+    if not (args.params or args.model_preset or args.config_name):
+        fail("give --params, --model_preset or --config_name")
+    for name in ("num_gpus", "seq_len", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    if args.gpus_per_node is not None and not 1 <= args.gpus_per_node <= args.num_gpus:
+        fail(f"--gpus_per_node must be between 1 and --num_gpus ({args.num_gpus})")
+    if args.params is not None and args.params <= 0 or args.gpu_memory_gb <= 0:
+        fail("--params and --gpu_memory_gb must be > 0")
+    return args
+
+
+if __name__ == "__main__":
+    print(report(parse_args()))
