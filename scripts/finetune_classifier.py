@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None):
     validate_finetuning(args)
     if args.group_by_length and args.pad_to_max_length:
         fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
+    if args.auto_find_batch_size and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        fail("--auto_find_batch_size does not work under DeepSpeed (the first try fixes the batch size in its "
+             "config); set --per_device_train_batch_size")
     return args
 
 

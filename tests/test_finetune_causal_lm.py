@@ -224,3 +224,16 @@ def test_pretrain_then_finetune_on_chat_turns(corpus, tmp_path):
     assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
     assert not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
     assert r["trainable_parameters"] == r["num_parameters"] - before["model.embed_tokens.weight"].numel()
+
+
+def test_resume_with_length_grouped_batches_continues_the_run(sft):
+    """Length-grouped batches are reshuffled per epoch from the seed: a run resumed in its second epoch (step 5 of 8,
+    4 steps per epoch) logs the same losses and ends with the same weights as the uninterrupted run."""
+    d = sft["dir"]
+    common = ("--max_steps", "8", "--max_train_samples", "16", "--per_device_train_batch_size", "2",
+              "--gradient_accumulation_steps", "2", "--group_by_length")
+    full = finetune(sft, f"{d}/grouped", *common, "--checkpointing_steps", "5")
+    resumed = finetune(sft, f"{d}/grouped_resumed", *common,
+                       "--resume_from_checkpoint", f"{full}/checkpoints/step_5")
+    assert train_losses(resumed) == pytest.approx({s: v for s, v in train_losses(full).items() if s > 5}, abs=1e-6)
+    assert max_difference(weights(resumed), weights(full)) < 1e-6
