@@ -139,7 +139,8 @@ def train(args, config, accelerator) -> None:
                         f"--max_seq_length {max_length}")
         if len(data[split]) == 0:
             fail(f"no {split} example has a response token within --max_seq_length {max_length}")
-    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=pad_to_multiple_of(accelerator))
+    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100,
+                                    pad_to_multiple_of=pad_to_multiple_of(accelerator))
     # Packing: one row per batch, position ids restart at 0 for each example, and labels get -100 at each start.
     train_collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100) if args.packing else padded
     sampler = None

@@ -85,8 +85,10 @@ def main() -> None:
     if args.max_seq_length and max_positions and args.max_seq_length > max_positions:
         fail(f"--max_seq_length {args.max_seq_length} is larger than the model's {max_positions} positions")
     accelerator = build_accelerator(args)
+    progress = TrainingProgress()  # optimizer steps done; saved and restored with every checkpoint
+    accelerator.register_for_checkpointing(progress)
     if not args.auto_find_batch_size:
-        train(args, accelerator)
+        train(args, config, accelerator, progress)
     else:
         # accelerate retries on out-of-memory errors with the batch size it is given; each attempt starts afresh.
         effective_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -94,10 +96,11 @@ def main() -> None:
         def attempt(batch_size: int) -> None:
             accelerator.free_memory()  # drop the failed attempt's prepared model and optimizer
             set_seed(args.seed)
+            progress.step = 0
             args.per_device_train_batch_size = batch_size
             args.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = effective_batch // batch_size
             logger.info(f"Trying {batch_size} per device x {args.gradient_accumulation_steps} accumulation steps")
-            train(args, accelerator)
+            train(args, config, accelerator, progress)
 
         def smaller() -> int:  # the largest divisor of the effective batch at most half the current batch
             return max(d for d in range(1, args.per_device_train_batch_size // 2 + 1) if effective_batch % d == 0)
@@ -106,7 +109,7 @@ def main() -> None:
     finish(accelerator)
 
 
-def train(args, accelerator) -> None:
+def train(args, config, accelerator, progress: TrainingProgress) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     ga = args.gradient_accumulation_steps
 
@@ -122,7 +125,8 @@ def train(args, accelerator) -> None:
     label_names, label_ids = discover_labels(raw, args.label_column)
     if args.metric_for_best_model == "f1" and len(label_names) != 2:
         fail(f"--metric_for_best_model f1 needs two labels (found {len(label_names)})")
-    max_length = args.max_seq_length or min(tokenizer.model_max_length, 512)
+    max_length = args.max_seq_length or min(tokenizer.model_max_length,
+                                            getattr(config, "max_position_embeddings", None) or 512, 512)
 
     def tokenize(batch):
         enc = tokenizer(batch[args.text_column], batch[pair_column] if pair_column else None, truncation=True,
@@ -170,8 +174,6 @@ def train(args, accelerator) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    progress = TrainingProgress()
-    accelerator.register_for_checkpointing(progress)
     resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
     if resume_path:
         accelerator.load_state(resume_path)
@@ -193,7 +195,8 @@ def train(args, accelerator) -> None:
         metrics.write({"step": step, **eval_metrics})
         accelerator.log(eval_metrics, step=step)
         logger.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-        value, sign = eval_metrics[f"eval_{args.metric_for_best_model}"], -1 if args.metric_for_best_model == "loss" else 1
+        value = eval_metrics[f"eval_{args.metric_for_best_model}"]
+        sign = -1 if args.metric_for_best_model == "loss" else 1  # lower loss is better
         if not best or sign * value > sign * best["value"]:
             best.update(value=value, step=step, metrics=eval_metrics)
             if args.load_best_model_at_end:

@@ -113,7 +113,7 @@ def test_auto_find_batch_size_halves_batch_and_keeps_effective_batch(tiny, dynam
         "forward = m.BertForSequenceClassification.forward\n"
         "def limited(self, input_ids=None, **kw):\n"
         "    if self.training and input_ids.shape[0] > 2:\n"
-        "        raise RuntimeError(\"DefaultCPUAllocator: can't allocate memory: you tried to allocate (simulated)\")\n"
+        "        raise RuntimeError(\"DefaultCPUAllocator: can't allocate memory (simulated)\")\n"
         "    return forward(self, input_ids=input_ids, **kw)\n"
         "m.BertForSequenceClassification.forward = limited\n"
         "sys.argv = sys.argv[1:]\n"
