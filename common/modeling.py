@@ -93,7 +93,8 @@ def freeze_parameters(model: PreTrainedModel, embeddings: bool, num_layers: int)
     """
     base = model.base_model
     if embeddings:
-        (getattr(base, "embeddings", None) or model.get_input_embeddings()).requires_grad_(False)
+        embeddings_module = getattr(base, "embeddings", None)
+        (model.get_input_embeddings() if embeddings_module is None else embeddings_module).requires_grad_(False)
     if num_layers:
         blocks = next((m for m in base.modules()
                        if isinstance(m, nn.ModuleList) and len(m) == model.config.num_hidden_layers), None)
