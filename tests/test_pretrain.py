@@ -50,27 +50,23 @@ def test_accumulation_equals_big_batch_and_loss_falls(corpus, tmp_path):
 
 
 def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, tmp_path):
-    """Checkpoint at step 5 (mid-epoch), resume from it in a new folder: steps 6..12 (across an epoch boundary)
-    log the same losses and end with the same weights as the run that never stopped."""
+    """Resume from the step-8 checkpoint (mid-epoch) in a fresh folder: steps 9..12, across an epoch boundary, log
+    the same losses and end with the same weights as the run that never stopped."""
     common = ("--max_steps", "12", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-              "--max_train_samples", "60", "--learning_rate", "3e-3")
-    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "full", "--checkpointing_steps", "5",
-                                                   "--save_total_limit", "1", *common))
-    checkpoints = sorted(os.listdir(tmp_path / "full" / "checkpoints"))
-    assert checkpoints == ["step_10"]  # save_total_limit 1 pruned step_5
-    # Re-create the interrupted run: a fresh folder whose only state is the step-5 checkpoint of an identical run.
-    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "first", "--checkpointing_steps", "5",
-                                                   "--save_total_limit", "3", *common))
+              "--max_train_samples", "80", "--learning_rate", "3e-3")
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "full", "--checkpointing_steps", "4",
+                                                   "--save_total_limit", "2", *common))
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step_12", "step_8"]  # step_4 pruned
+    epochs = {r["step"]: r["epoch"] for r in read_metrics(tmp_path / "full") if "epoch" in r}
+    assert int(epochs[8]) < int(epochs[12]) and epochs[8] % 1 != 0  # mid-epoch checkpoint, epoch boundary ahead
+    # The interrupted run: a fresh folder whose only state is the step-8 checkpoint.
     resumed = tmp_path / "resumed"
-    os.makedirs(resumed / "checkpoints")
-    shutil.copytree(tmp_path / "first" / "checkpoints" / "step_5", resumed / "checkpoints" / "step_5")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", resumed / "checkpoints" / "step_8")
     proc = run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "resumed", "--resume_from_checkpoint",
                                                           "latest", *common))
     assert "Resumed from" in proc.stderr + proc.stdout
     full, again = train_losses(tmp_path / "full"), train_losses(resumed)
-    assert sorted(again) == list(range(6, 13))
-    per_epoch = json.loads((tmp_path / "full" / "all_results.json").read_text())["train_steps"]
-    assert per_epoch == 12
+    assert sorted(again) == list(range(9, 13))
     assert [again[s] for s in again] == pytest.approx([full[s] for s in again], abs=1e-6)
     assert max_weight_diff(tmp_path / "full", resumed) < 1e-6
 
