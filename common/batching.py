@@ -1,4 +1,4 @@
-"""Batches of variable-length examples: length-grouped sampling and the share of padding in a batch."""
+"""Batches of variable-length examples: length-grouped sampling, padding multiples."""
 
 from __future__ import annotations
 
@@ -26,12 +26,3 @@ def pad_to_multiple_of(accelerator: Accelerator) -> int:
     """Tensor cores want sequence lengths in multiples of 8 (16 for fp8 matmuls)."""
     return 16 if accelerator.mixed_precision == "fp8" else 8
 
-
-def padding_counts(batch: dict) -> tuple[torch.Tensor, int]:
-    """(padding positions, all positions) of a batch; a batch without an attention mask (packed) has no padding.
-
-    The first stays a device tensor (no host sync per micro-batch); sum it over a logging window, then reduce.
-    """
-    ids, mask = batch["input_ids"], batch.get("attention_mask")
-    padding = ids.numel() - mask.sum() if mask is not None else torch.zeros((), dtype=torch.long, device=ids.device)
-    return padding, ids.numel()

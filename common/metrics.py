@@ -94,3 +94,70 @@ class MetricsWriter:
 def write_all_results(output_dir: str, results: dict) -> None:
     with open(os.path.join(output_dir, "all_results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
+
+
+class StepLog:
+    """What the training loops log: loss, lr, grad norm, tokens/s, padding, memory (and MFU on known GPUs).
+
+    Micro-batch figures are summed on the device between logged steps (no host sync per step) and reduced over the
+    processes only when a row is written: to `metrics.jsonl` (main process) and to accelerate's trackers.
+    `loss_reduction` says how the processes' loss shares combine: "sum" for the exact token-normalised shares of
+    `common/accumulation.py` (each already divided by the window's global token count), "mean" for per-process means.
+    """
+
+    def __init__(self, accelerator, output_dir: str, resume_step: int = 0, loss_reduction: str = "sum",
+                 flops_per_token: float | None = None) -> None:
+        self.accelerator, self.loss_reduction = accelerator, loss_reduction
+        self.writer = MetricsWriter(output_dir, accelerator.is_main_process, resume_step)
+        self.throughput = Throughput()
+        self.peak_flops = peak_flops_per_device() if flops_per_token else None
+        self.flops_per_token = flops_per_token
+        self.paused = self.throughput.paused
+        self.run_padding = self.run_positions = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        device = self.accelerator.device
+        self.loss = torch.zeros((), device=device)
+        self.padding = torch.zeros((), dtype=torch.long, device=device)
+        self.positions = self.steps = 0
+
+    def add(self, loss: torch.Tensor, batch: dict) -> None:
+        """One micro-batch: its share of the step's loss, and its real and padding positions."""
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        self.loss += loss.detach()
+        if mask is not None:  # packed batches carry no mask: no padding
+            self.padding += ids.numel() - mask.sum()
+        self.positions += ids.numel()
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of padding positions over the whole run so far (all processes)."""
+        return self.run_padding / max(self.run_positions, 1)
+
+    def write_step(self, step: int, epoch: float, lr: float, grad_norm) -> dict:
+        """Reduce the figures since the last row over the processes, write the row, start afresh."""
+        acc = self.accelerator
+        padding, positions = acc.reduce(torch.stack(
+            [self.padding, torch.full_like(self.padding, self.positions)]), "sum").tolist()
+        self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
+        self.throughput.add(positions - padding)  # real tokens: padding is wasted work
+        tokens_per_second, _ = self.throughput.report()
+        row = {"step": step, "epoch": round(epoch, 4),
+               "loss": acc.reduce(self.loss, self.loss_reduction).item() / max(self.steps, 1),
+               "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+               "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),
+               "peak_memory_bytes": peak_memory_bytes()}
+        if self.peak_flops:
+            row["mfu"] = tokens_per_second / acc.num_processes * self.flops_per_token / self.peak_flops
+        self.writer.write(row)
+        acc.log(row, step=step)
+        self._reset()
+        return row
+
+    def write_eval(self, step: int, eval_metrics: dict) -> None:
+        self.writer.write({"step": step, **eval_metrics})
+        self.accelerator.log(eval_metrics, step=step)

@@ -35,10 +35,10 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, DataCol
 from common.accumulation import accumulation_windows
 from common.args import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args, fail,
                          validate_common, validate_finetuning)
-from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of, padding_counts
+from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.checkpoint import TrainingProgress, export_model, resolve_resume_path, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets
-from common.metrics import MetricsWriter, Throughput, peak_memory_bytes, write_all_results
+from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import count_parameters, enable_gradient_checkpointing, freeze_parameters
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator, finish
@@ -187,13 +187,12 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
                 f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes}")
 
     # Evaluate; with --load_best_model_at_end, export each model that beats the best so far.
-    metrics = MetricsWriter(args.output_dir, accelerator.is_main_process, resume_step=progress.step)
+    log = StepLog(accelerator, args.output_dir, resume_step=progress.step, loss_reduction="mean")
     best = {}
 
     def evaluate_and_keep_best(step: int) -> dict:
         eval_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
-        metrics.write({"step": step, **eval_metrics})
-        accelerator.log(eval_metrics, step=step)
+        log.write_eval(step, eval_metrics)
         logger.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
         value = eval_metrics[f"eval_{args.metric_for_best_model}"]
         sign = -1 if args.metric_for_best_model == "loss" else 1  # lower loss is better
@@ -204,12 +203,7 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
         return eval_metrics
 
     # ---- training loop ----------------------------------------------------------------------------------------------
-    throughput = Throughput()
-    loss_since_log = torch.zeros((), device=accelerator.device)
-    padding_since_log = torch.zeros((), dtype=torch.long, device=accelerator.device)
-    positions_since_log, steps_since_log, train_start = 0, 0, time.perf_counter()
-    run_padding = run_positions = 0
-    last_log: dict = {}
+    last_log, train_start = {}, time.perf_counter()
     progress_bar = tqdm(total=total_steps, initial=progress.step, desc="train",
                         disable=not accelerator.is_local_main_process)
     model.train()
@@ -231,40 +225,21 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                loss_since_log += loss.detach() / ga
-                padding, positions = padding_counts(batch)
-                padding_since_log += padding
-                positions_since_log += positions
+                log.add(loss / ga, batch)
             progress.step += 1
-            steps_since_log += 1
-            progress_bar.update(1)
             step = progress.step
+            log.end_step()
+            progress_bar.update(1)
 
             if step % args.logging_steps == 0 or step == total_steps:
-                padding_total, positions_total = accelerator.reduce(torch.stack(
-                    [padding_since_log, torch.full_like(padding_since_log, positions_since_log)]), "sum").tolist()
-                run_padding, run_positions = run_padding + padding_total, run_positions + positions_total
-                throughput.add(positions_total - padding_total)  # real tokens: padding is wasted work
-                tokens_per_second, _ = throughput.report()
-                last_log = {
-                    "step": step, "epoch": round(step / steps_per_epoch, 4),
-                    "loss": accelerator.reduce(loss_since_log, "mean").item() / steps_since_log,
-                    "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens_per_second": tokens_per_second, "padding_fraction": padding_total / positions_total,
-                    "peak_memory_bytes": peak_memory_bytes(),
-                }
-                metrics.write(last_log)
-                accelerator.log(last_log, step=step)
+                last_log = log.write_step(step, step / steps_per_epoch, lr, grad_norm)
                 progress_bar.set_postfix(loss=f"{last_log['loss']:.4f}", lr=f"{lr:.2e}",
                                          pad=f"{last_log['padding_fraction']:.2f}")
-                loss_since_log.zero_()
-                padding_since_log.zero_()
-                positions_since_log = steps_since_log = 0
             if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
-                with throughput.paused():
+                with log.paused():
                     evaluate_and_keep_best(step)
             if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                with throughput.paused():
+                with log.paused():
                     save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
             if step >= total_steps:
                 break
@@ -281,7 +256,7 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
     if accelerator.is_main_process:
         results = {**exported, "exported_step": best["step"] if args.load_best_model_at_end else progress.step,
                    "train_loss": last_log.get("loss"), "train_steps": progress.step, "train_runtime": train_runtime,
-                   "padding_fraction": run_padding / max(run_positions, 1),
+                   "padding_fraction": log.padding_fraction,
                    "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
                    "per_device_train_batch_size": args.per_device_train_batch_size,
                    "gradient_accumulation_steps": ga, "num_processes": accelerator.num_processes,

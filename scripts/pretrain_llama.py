@@ -31,8 +31,7 @@ from common.args import ArgumentParser, add_data_args, add_model_args, add_train
 from common.checkpoint import TrainingProgress, export_model, resolve_resume_path, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.evaluation import evaluate_causal_lm
-from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
-                            write_all_results)
+from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
 from common.modeling import PRESETS, build_causal_lm, check_block_size, count_parameters, load_config
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator, finish
@@ -122,12 +121,8 @@ def train(args, config, accelerator) -> None:
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes} sequences")
 
     # ---- training loop ----------------------------------------------------------------------------------------------
-    metrics = MetricsWriter(args.output_dir, accelerator.is_main_process, resume_step=progress.step)
-    peak_flops = peak_flops_per_device()
-    throughput = Throughput()
-    loss_since_log = torch.zeros((), device=accelerator.device)
-    steps_since_log, tokens_since_log, train_start = 0, 0, time.perf_counter()
-    last_log: dict = {}
+    log = StepLog(accelerator, args.output_dir, resume_step=progress.step, flops_per_token=step_flops)
+    last_log, train_start = {}, time.perf_counter()
     progress_bar = tqdm(total=total_steps, initial=progress.step, desc="train",
                         disable=not accelerator.is_local_main_process)
     model.train()
@@ -151,40 +146,24 @@ def train(args, config, accelerator) -> None:
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                loss_since_log += token_loss
-                tokens_since_log += batch["input_ids"].numel()
+                log.add(token_loss, batch)
             progress.step += 1
-            steps_since_log += 1
-            progress_bar.update(1)
             step = progress.step
+            log.end_step()
+            progress_bar.update(1)
 
             if step % args.logging_steps == 0 or step == total_steps:
-                tokens = accelerator.reduce(torch.tensor(tokens_since_log, device=accelerator.device), "sum").item()
-                throughput.add(tokens)
-                tokens_per_second, _ = throughput.report()
-                last_log = {
-                    "step": step, "epoch": round(step / steps_per_epoch, 4),
-                    "loss": accelerator.reduce(loss_since_log, "sum").item() / steps_since_log,
-                    "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens_per_second": tokens_per_second, "peak_memory_bytes": peak_memory_bytes(),
-                }
-                if peak_flops:
-                    last_log["mfu"] = tokens_per_second / accelerator.num_processes * step_flops / peak_flops
-                metrics.write(last_log)
-                accelerator.log(last_log, step=step)
+                last_log = log.write_step(step, step / steps_per_epoch, lr, grad_norm)
                 progress_bar.set_postfix(loss=f"{last_log['loss']:.4f}", lr=f"{lr:.2e}",
-                                         tok_s=f"{tokens_per_second:,.0f}")
-                loss_since_log.zero_()
-                steps_since_log = tokens_since_log = 0
+                                         tok_s=f"{last_log['tokens_per_second']:,.0f}")
             if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
-                with throughput.paused():
+                with log.paused():
                     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
-                metrics.write({"step": step, **eval_metrics})
-                accelerator.log(eval_metrics, step=step)
+                log.write_eval(step, eval_metrics)
                 logger.info(f"step {step}: eval_loss {eval_metrics['eval_loss']:.4f} "
                             f"perplexity {eval_metrics['perplexity']:.2f}")
             if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                with throughput.paused():
+                with log.paused():
                     save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
             if step >= total_steps:
                 break
@@ -195,8 +174,7 @@ def train(args, config, accelerator) -> None:
 
     # ---- final evaluation and export --------------------------------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
-    metrics.write({"step": progress.step, **eval_metrics})
-    accelerator.log(eval_metrics, step=progress.step)
+    log.write_eval(progress.step, eval_metrics)
     logger.info(f"Final eval_loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['perplexity']:.2f}")
     export_model(accelerator, model, tokenizer, args.output_dir)
     if accelerator.is_main_process:
