@@ -86,9 +86,10 @@ class MetricsWriter:
                 f.writelines(rows)
 
     def write(self, record: dict) -> None:
+        """`time` (Unix seconds) is added so that step times can be read back whatever a step's token count."""
         if self.enabled:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "time": round(time.time(), 4)}) + "\n")
 
 
 def write_all_results(output_dir: str, results: dict) -> None:
@@ -153,6 +154,8 @@ class StepLog:
                "peak_memory_bytes": peak_memory_bytes()}
         if self.peak_flops:
             row["mfu"] = tokens_per_second / acc.num_processes * self.flops_per_token / self.peak_flops
+        if torch.cuda.is_available():  # what the caching allocator holds: the process's real GPU footprint
+            row["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
         self.writer.write(row)
         acc.log(row, step=step)
         self._reset()

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""The reference loop for the benchmark: the pretraining job in plain PyTorch, without accelerate.
+
+    python scripts/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 1
+
+It takes the flags of scripts/pretrain_llama.py (its parser, so the same checks) and does the same work per
+optimizer step: the same data pipeline, tokenizer, blocks, shuffle and batch (common/data.py), the same model and
+initialisation (common/modeling.py), optimizer and schedule (common/optim.py), autocast precision, torch.compile,
+accumulation, clipping, scheduler step, zero_grad, and a logged row per `--logging_steps` in the same
+metrics.jsonl format. One process only; no evaluation, checkpoints or export (the benchmark times only training
+steps). With fixed-length blocks its losses equal the pretraining script's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from pretrain_llama import parse_args  # same flags and checks as the job it mirrors
+from torch.utils.data import DataLoader, RandomSampler
+from transformers import default_data_collator, get_scheduler, set_seed
+
+from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
+                            write_all_results)
+from common.modeling import build_causal_lm, check_block_size, count_parameters, load_config
+from common.optim import create_optimizer
+
+
+class OneProcess:
+    """common/data.py orders processes with `main_process_first()`; a single process needs no ordering."""
+
+    main_process_first = staticmethod(contextlib.nullcontext)
+
+
+def main() -> None:
+    args = parse_args()
+    config = load_config(args)
+    check_block_size(config, args.block_size)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    set_seed(args.seed)
+    os.makedirs(args.output_dir, exist_ok=True)
+    ga = args.gradient_accumulation_steps
+
+    raw = load_raw_datasets(args)
+    tokenizer = get_tokenizer(args, OneProcess(), raw)
+    data = tokenize_and_pack(args, OneProcess(), raw, tokenizer, args.block_size)["train"]
+    sampler = RandomSampler(data, generator=torch.Generator())  # reseeded per epoch below, as accelerate does
+    loader = DataLoader(data, sampler=sampler, batch_size=args.per_device_train_batch_size,
+                        collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
+                        pin_memory=args.dataloader_pin_memory and device.type == "cuda")
+    steps_per_epoch = len(loader) // ga
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+
+    model = build_causal_lm(args, config, len(tokenizer)).to(device)
+    _, total_params = count_parameters(model)
+    step_flops = flops_per_token(model.config, total_params, model.get_input_embeddings().weight.numel(),
+                                 args.block_size)
+    optimizer = create_optimizer(args, model)
+    warmup = args.warmup_steps if args.warmup_steps is not None else int(0.05 * total_steps)
+    extra = {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}} if args.lr_scheduler_type == "cosine_with_min_lr" \
+        else {}
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=total_steps, **extra)
+    if args.torch_compile:
+        model = torch.compile(model)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    metrics = MetricsWriter(args.output_dir, True)
+    peak_flops = peak_flops_per_device()
+    throughput = Throughput()
+    step, loss_sum, steps_since_log, row = 0, torch.zeros((), device=device), 0, {}
+    model.train()
+    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
+        sampler.generator.manual_seed(args.seed + epoch)
+        batches = iter(loader)
+        for _ in range(steps_per_epoch):
+            lr = scheduler.get_last_lr()[0]
+            for _ in range(ga):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = model(**batch).loss / ga
+                scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            steps_since_log += 1
+            throughput.add(ga * batch["input_ids"].numel())
+            if step % args.logging_steps == 0 or step == total_steps:
+                tokens_per_second, _ = throughput.report()
+                row = {"step": step, "epoch": round(step / steps_per_epoch, 4),
+                       "loss": loss_sum.item() / steps_since_log, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_second": tokens_per_second,
+                       "peak_memory_bytes": peak_memory_bytes()}
+                if peak_flops:
+                    row["mfu"] = tokens_per_second * step_flops / peak_flops
+                if device.type == "cuda":
+                    row["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                metrics.write(row)
+                print(f"step {step}: loss {row['loss']:.4f} tok/s {tokens_per_second:,.0f}", flush=True)
+                loss_sum.zero_()
+                steps_since_log = 0
+            if step >= total_steps:
+                break
+    write_all_results(args.output_dir, {"train_loss": row.get("loss"), "train_steps": step, "num_processes": 1,
+                                        "num_parameters": total_params, "peak_memory_bytes": peak_memory_bytes()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""scripts/benchmark.py: complete, well-formed outputs (not timings), and a plain loop that does the same work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import run_script
+
+REQUIRED = ("tokens_per_second", "samples_per_second", "peak_memory_bytes", "final_loss", "step_time_median_s",
+            "speed_vs_baseline", "memory_vs_baseline")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("bench")
+    # On a CPU, fp16 is listed as not run (with its reason) rather than failing the benchmark.
+    methods = "baseline,accumulation,plain_pytorch" + ("" if torch.cuda.is_available() else ",fp16")
+    run_script("benchmark.py", "--quick", "--methods", methods, "--warm_steps", "1", "--timed_steps", "2",
+               "--seq_len", "64", "--output_dir", str(out / "out"),
+               "--", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+               "--tokenizer_vocab_size", "512", "--cache_dir", str(out / "cache"))
+    with open(out / "out" / "results.json") as f:
+        rows = json.load(f)
+    return out / "out", rows
+
+
+def test_results_json_has_a_complete_row_per_method(bench):
+    _, rows = bench
+    assert isinstance(rows, list)
+    assert sorted(r["method"] for r in rows) == ["accumulation", "baseline", "plain_pytorch"]
+    for row in rows:
+        for key in REQUIRED:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (row["method"], key)
+        assert row["step_time_p25_s"] <= row["step_time_median_s"] <= row["step_time_p75_s"]
+        env = row["environment"]
+        assert env["machine"]["cpu"] and env["machine"]["cpu_cores"] >= 1 and env["date"]
+        assert all(env["versions"][k] for k in ("torch", "accelerate", "transformers", "deepspeed", "bitsandbytes"))
+        assert "benchmark.py" in env["command"] and "--quick" in env["command"]
+    by = {r["method"]: r for r in rows}
+    assert by["baseline"]["speed_vs_baseline"] == 1.0 and by["baseline"]["memory_vs_baseline"] == 1.0
+    # Same samples per optimizer step: bs 8 = 2 x 4 accumulation.
+    assert by["accumulation"]["flags"] == ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]
+    plain = by["plain_pytorch"]
+    assert plain["reference_method"] == "baseline"
+    assert math.isfinite(plain["ours_over_plain"]) and plain["ours_over_plain"] > 0
+
+
+def test_same_work_same_losses(bench):
+    """The plain loop (same data order, init, optimizer, schedule) and exact accumulation reach the baseline's loss."""
+    _, rows = bench
+    by = {r["method"]: r for r in rows}
+    assert by["plain_pytorch"]["final_loss"] == pytest.approx(by["baseline"]["final_loss"], rel=1e-5)
+    assert by["accumulation"]["final_loss"] == pytest.approx(by["baseline"]["final_loss"], rel=1e-4)
+
+
+def test_markdown_and_chart(bench):
+    out, rows = bench
+    md = (out / "results.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert sorted(line.split("|")[1].strip() for line in table) == sorted(r["method"] for r in rows)
+    assert "Machine:" in md and "Versions:" in md and "torch " in md and "Command: `python" in md
+    assert "Plain PyTorch loop" in md
+    if not torch.cuda.is_available():
+        assert "fp16 (needs a CUDA GPU" in md
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "baseline,warp_drive"], "error: unknown method(s) warp_drive"),
+    (["--", "--max_steps", "5"], "error: --max_steps is set by the benchmark"),
+    (["--timed_steps", "1"], "error: --timed_steps must be >= 2"),
+])
+def test_bad_input_fails_fast_with_one_line(tmp_path, args, message):
+    proc = run_script("benchmark.py", "--output_dir", str(tmp_path), *args, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+    assert not (tmp_path / "runs").exists()
