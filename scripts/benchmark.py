@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None):
                         "; '' passes none).")
     parser.add_argument("--per_device_train_batch_size", type=int, help="Default: 8 (CPU), 4 (GPU).")
     parser.add_argument("--warm_steps", type=int, help="Untimed optimizer steps first (compile, caches). Default 2/3.")
-    parser.add_argument("--timed_steps", type=int, help="Timed optimizer steps. Default: 8 (--quick), 20.")
+    parser.add_argument("--timed_steps", type=int, help="Timed optimizer steps. Default: 10 (--quick), 20.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
     parser.add_argument("--output_dir", default="outputs/benchmark")
     args = parser.parse_args(argv)
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None):
     args.seq_len = args.seq_len or (128 if args.quick else 2048 if cuda else 256)
     args.per_device_train_batch_size = args.per_device_train_batch_size or (4 if cuda and not args.quick else 8)
     args.warm_steps = 2 if args.warm_steps is None and args.quick else 3 if args.warm_steps is None else args.warm_steps
-    args.timed_steps = args.timed_steps or (8 if args.quick else 20)
+    args.timed_steps = args.timed_steps or (10 if args.quick else 20)
     for name in ("seq_len", "per_device_train_batch_size", "warm_steps", "repeats"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
