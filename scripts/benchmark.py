@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset, 128 tokens, few steps: minutes on a CPU")
-    parser.add_argument("--script", default=PRETRAIN, help="Training script to benchmark.")
+    parser.add_argument("--script", help=f"Training script to benchmark (default: {PRETRAIN}).")
     parser.add_argument("--methods", help="Comma-separated methods (default: all). `baseline` is always run.")
     parser.add_argument("--plain_reference", default="baseline", help="Method whose flags plain_pytorch mirrors.")
     parser.add_argument("--model_preset", help="Default: tiny (--quick), small (CPU), 1b (GPU); pretraining only.")
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--seq_flag", help="The script's sequence-length flag (default: --block_size when pretraining"
                         "; '' passes none).")
     parser.add_argument("--per_device_train_batch_size", type=int, help="Default: 8 (CPU), 4 (GPU).")
-    parser.add_argument("--warm_steps", type=int, help="Untimed optimizer steps first (compile, caches). Default 2/3.")
+    parser.add_argument("--warm_steps", type=int, help="Untimed optimizer steps first (compile, caches). Default 3/5.")
     parser.add_argument("--timed_steps", type=int, help="Timed optimizer steps. Default: 10 (--quick), 20.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
     parser.add_argument("--output_dir", default="outputs/benchmark")
@@ -64,19 +64,20 @@ def parse_args(argv: list[str] | None = None):
     args.script_args = script_args
 
     cuda = torch.cuda.is_available()
-    pretraining = os.path.normpath(args.script) == PRETRAIN
-    if not os.path.isfile(os.path.join(ROOT, args.script)):
-        fail(f"--script {args.script}: no such file (give a path relative to the repository root)")
+    if args.script and not os.path.isfile(args.script):
+        fail(f"--script {args.script}: no such file")
+    args.script = os.path.relpath(os.path.abspath(args.script), ROOT) if args.script else PRETRAIN
+    pretraining = args.script == PRETRAIN
     for flag in RUN_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in script_args):
             fail(f"{flag} is set by the benchmark; do not pass it after --")
-    args.model_preset = args.model_preset or (("tiny" if args.quick else "1b" if cuda else "small") if pretraining
-                                              and not any(a in script_args for a in ("--model_name_or_path",
-                                                                                      "--config_name")) else None)
+    if args.model_preset is None and pretraining and not ({"--model_name_or_path", "--config_name"} & set(script_args)):
+        args.model_preset = "tiny" if args.quick else "1b" if cuda else "small"
     args.seq_flag = ("--block_size" if pretraining else "") if args.seq_flag is None else args.seq_flag
     args.seq_len = args.seq_len or (128 if args.quick else 2048 if cuda else 256)
     args.per_device_train_batch_size = args.per_device_train_batch_size or (4 if cuda and not args.quick else 8)
-    args.warm_steps = 2 if args.warm_steps is None and args.quick else 3 if args.warm_steps is None else args.warm_steps
+    if args.warm_steps is None:
+        args.warm_steps = 3 if args.quick else 5
     args.timed_steps = args.timed_steps or (10 if args.quick else 20)
     for name in ("seq_len", "per_device_train_batch_size", "warm_steps", "repeats"):
         if getattr(args, name) < 1:
@@ -92,6 +93,7 @@ def parse_args(argv: list[str] | None = None):
                                       or "launcher" in args.table[args.plain_reference]):
         fail(f"--plain_reference {args.plain_reference} is not a single-process method")
     args.methods = ["baseline"] + [m for m in dict.fromkeys(wanted) if m != "baseline"]
+    args.output_dir = os.path.abspath(args.output_dir)
     return args
 
 
@@ -132,8 +134,8 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
         skip = None if cuda else "DeepSpeed/FSDP rows run on GPUs only"
         if "nvme" in name:
             skip = "needs the nvme_path in its DeepSpeed JSON set to a local NVMe drive"
-        table[name] = {"flags": half, "skip": skip, "launcher": [accelerate, "launch", "--config_file",
-                       os.path.relpath(path, ROOT), "--num_processes", "1"]}  # one device, as every other row
+        table[name] = {"flags": half, "skip": skip,  # one device, as every other row
+                       "launcher": [accelerate, "launch", "--config_file", path, "--num_processes", "1"]}
     return table
 
 
@@ -162,7 +164,9 @@ def environment(argv: list[str]) -> dict:
                     "gpu_count": torch.cuda.device_count() if cuda else 0, "cuda": torch.version.cuda,
                     "platform": platform.platform()},
         "versions": versions,
-        "command": "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + argv),
+        "command": "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+                           if k in os.environ)
+                   + "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + argv),
         "git_commit": commit.stdout.strip() or None,
     }
 
@@ -177,7 +181,7 @@ def run_once(args, method: str, repeat: int) -> dict:
     os.makedirs(run_dir)
     total = args.warm_steps + args.timed_steps
     launcher = [sys.executable] if plain else spec.get("launcher", [sys.executable])
-    cmd = launcher + [script, "--max_steps", str(total), "--logging_steps", "1",
+    cmd = launcher + [os.path.join(ROOT, script), "--max_steps", str(total), "--logging_steps", "1",
                       "--per_device_train_batch_size", str(args.per_device_train_batch_size)]
     if args.seq_flag:
         cmd += [args.seq_flag, str(args.seq_len)]
@@ -189,7 +193,7 @@ def run_once(args, method: str, repeat: int) -> dict:
     cmd += spec["flags"] + args.script_args + ["--output_dir", run_dir]
     print(f"[{method} #{repeat + 1}] {shlex.join(cmd)}", flush=True)
     with open(os.path.join(run_dir, "log.txt"), "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                               env={"TOKENIZERS_PARALLELISM": "false", **os.environ})
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     rows = []
@@ -275,6 +279,7 @@ def summarise(args, runs: dict[str, list[dict]], env: dict) -> list[dict]:
             "tokens_per_second_runs": [r["tokens_per_second"] for r in results],
             "step_time_median_s": quartiles[1], "step_time_p25_s": quartiles[0], "step_time_p75_s": quartiles[2],
             "step_time_min_s": steps[0],
+            "step_time_median_runs": [statistics.median(r["step_times"]) for r in results],
             "peak_memory_bytes": med("peak_memory_bytes"),
             "peak_memory_reserved_bytes": med("peak_memory_reserved_bytes"),
             "mfu": med("mfu"), "final_loss": med("final_loss"), "repeats": len(results),
@@ -289,11 +294,14 @@ def summarise(args, runs: dict[str, list[dict]], env: dict) -> list[dict]:
         r["memory_vs_baseline"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
     plain = next((r for r in rows if r["method"] == "plain_pytorch"), None)
     ours = next((r for r in rows if r["method"] == args.plain_reference), None)
-    if plain and ours:  # paired per repeat (the two run back to back), so slow drift on a shared machine cancels
-        ratios = [a / b for a, b in zip(ours["tokens_per_second_runs"], plain["tokens_per_second_runs"])]
-        # The fastest steps: the least disturbed by other work on a shared machine.
-        plain.update(reference_method=args.plain_reference, ours_over_plain=statistics.median(ratios),
-                     ours_over_plain_runs=ratios,
+    if plain and ours:
+        # Same tokens per step, so tokens/s over tokens/s is step time over step time. Medians of steps: robust to
+        # bursts of other work on a shared machine; per-run pairs (run back to back) show the spread; the fastest
+        # steps are the least disturbed of all.
+        plain.update(reference_method=args.plain_reference,
+                     ours_over_plain=plain["step_time_median_s"] / ours["step_time_median_s"],
+                     ours_over_plain_runs=[p / o for p, o in zip(plain["step_time_median_runs"],
+                                                                 ours["step_time_median_runs"])],
                      ours_over_plain_fastest_step=plain["step_time_min_s"] / ours["step_time_min_s"])
     return rows
 
@@ -323,17 +331,17 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
                      f"{1e3 * r['step_time_median_s']:.0f} [{1e3 * r['step_time_p25_s']:.0f}-"
                      f"{1e3 * r['step_time_p75_s']:.0f}] {1e3 * r['step_time_min_s']:.0f} | "
                      f"{r['peak_memory_bytes'] / 2**20:,.0f} | "
-                     f"{r['memory_vs_baseline']:.2f}x | {mfu} | {r['final_loss']:.4f} |")
+                     f"{r['memory_vs_baseline']:.2f}x | {mfu} | {r['final_loss']:.5f} |")
     lines += ["", "tokens/s in parentheses: lowest-highest over runs. Peak memory: GPU `max_memory_allocated` on a GPU "
               "(reserved in results.json), the process's peak resident set size on a CPU (it includes Python, "
               "libraries and data preparation, so CPU memory ratios understate the techniques' savings)."]
     plain = next((r for r in rows if r.get("ours_over_plain")), None)
     if plain:
         runs = plain["ours_over_plain_runs"]
-        lines += ["", f"**Plain PyTorch loop:** our tokens/s over the plain loop's, both with the flags of "
-                  f"`{plain['reference_method']}`: **{plain['ours_over_plain']:.3f}x**"
-                  + (f" (per-run pairs {min(runs):.3f}-{max(runs):.3f})" if len(runs) > 1 else "")
-                  + f"; fastest step against fastest step: {plain['ours_over_plain_fastest_step']:.3f}x"]
+        lines += ["", f"**Plain PyTorch loop:** our tokens/s over the plain loop's at the median step, both with the "
+                  f"flags of `{plain['reference_method']}`: **{plain['ours_over_plain']:.3f}x**"
+                  + (f" (runs paired back to back: {min(runs):.3f}-{max(runs):.3f})" if len(runs) > 1 else "")
+                  + f"; fastest step against fastest step: {plain['ours_over_plain_fastest_step']:.3f}x."]
     if skipped:
         lines += ["", "Not run here: " + "; ".join(f"{k} ({why})" for k, why in skipped.items()) + "."]
     if failed:
@@ -353,7 +361,7 @@ def write_chart(path: str, rows: list[dict], env: dict, args) -> None:
     base = rows[0]
     for ax, key, title in (
             (axes[0], "speed_vs_baseline",
-             f"tokens/s vs baseline ({base['tokens_per_second']:,.0f}), higher is better"),
+             f"tokens/s vs baseline ({base['tokens_per_second']:,.0f} tok/s), higher is better"),
             (axes[1], "memory_vs_baseline",
              f"peak memory vs baseline ({base['peak_memory_bytes'] / 2**20:,.0f} MiB), lower is better")):
         values = [r[key] for r in rows][::-1]
