@@ -195,10 +195,9 @@ def run_once(args, method: str, repeat: int) -> dict:
     with open(os.path.join(run_dir, "log.txt"), "w", encoding="utf-8") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                               env={"TOKENIZERS_PARALLELISM": "false", **os.environ})
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
     rows = []
-    if os.path.isfile(metrics_path):
-        with open(metrics_path, encoding="utf-8") as f:
+    if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
             rows = [r for r in map(json.loads, filter(str.strip, f)) if "tokens_per_second" in r]
     for name in os.listdir(run_dir):  # keep the figures and the log, not the exported model
         if name not in ("metrics.jsonl", "all_results.json", "log.txt"):
@@ -207,7 +206,7 @@ def run_once(args, method: str, repeat: int) -> dict:
     if proc.returncode != 0 or len(rows) != total or "time" not in rows[-1]:
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
-        return {"error": f"exit status {proc.returncode}, {len(rows)}/{total} logged steps; log: "
+        return {"error": f"exit status {proc.returncode}, {len(rows)}/{total} logged steps with a `time` stamp; log: "
                          f"{os.path.join(run_dir, 'log.txt')}\n{tail}"}
     timed = rows[args.warm_steps:]
     step_times = [b["time"] - a["time"] for a, b in zip(rows[args.warm_steps - 1:], timed)]
@@ -240,8 +239,8 @@ def run_all(args) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]
     runs, skipped, failed = {}, {}, {}
     order = [m for m in args.methods if m != "plain_pytorch"]
     for m in args.methods:
-        reason = args.table[m].get("skip") or (args.table[args.plain_reference].get("skip") if m == "plain_pytorch"
-                                               else None)
+        ref = args.plain_reference if m == "plain_pytorch" else m
+        reason = args.table[m].get("skip") or args.table[ref].get("skip")
         if reason:
             skipped[m] = reason
     if "plain_pytorch" in args.methods and "plain_pytorch" not in skipped:

@@ -92,9 +92,11 @@ def main() -> None:
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            scale = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            scheduler.step()
+            if scaler.get_scale() >= scale:  # fp16: an overflowed (skipped) step does not advance the schedule
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             steps_since_log += 1
