@@ -310,8 +310,8 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
     gpu = f"{m['gpu_count']} x {m['gpu']} (CUDA {m['cuda']})" if m["gpu"] else "no GPU"
     lines = [f"# Benchmark: {args.script}", "",
              f"- Date: {env['date']}; commit {env['git_commit']}",
-             f"- Machine: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable, torch uses "
-             f"{m['torch_threads']} threads), {m['memory_gib']} GiB RAM, {gpu}",
+             f"- Machine: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable; torch threads: "
+             f"{m['torch_threads']}), {m['memory_gib']} GiB RAM, {gpu}",
              "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
              f"- Command: `{env['command']}`",
              f"- Setup: preset {args.model_preset or '(from the script args)'}, sequence {args.seq_len}, "
