@@ -314,7 +314,8 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
              f"{m['torch_threads']}), {m['memory_gib']} GiB RAM, {gpu}",
              "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
              f"- Command: `{env['command']}`",
-             f"- Setup: preset {args.model_preset or '(from the script args)'}, sequence {args.seq_len}, "
+             f"- Setup: preset {args.model_preset or '(from the script args)'}, sequence "
+             f"{args.seq_len if args.seq_flag else '(from the script args)'}, "
              f"{args.per_device_train_batch_size} sequences per optimizer step, {args.warm_steps} warm-up + "
              f"{args.timed_steps} timed optimizer steps, {args.repeats} run(s) per method, each in a fresh process; "
              "figures are medians over runs, step times pooled over all timed steps.", "",
@@ -370,7 +371,8 @@ def write_chart(path: str, rows: list[dict], env: dict, args) -> None:
         ax.set_xlim(0, max(values) * 1.2)
         ax.set_title(title, fontsize=10)
     m, v = env["machine"], env["versions"]
-    fig.suptitle(f"{args.script}: {args.model_preset or 'model from args'}, seq {args.seq_len} on "
+    seq = f", seq {args.seq_len}" if args.seq_flag else ""
+    fig.suptitle(f"{args.script}: {args.model_preset or 'model from args'}{seq} on "
                  f"{m['gpu'] or m['cpu']} ({m['usable_cores']} cores), {env['date']}", fontsize=10)
     footer = ", ".join(f"{k} {val}" for k, val in v.items()) + f" | {env['command']}"
     fig.text(0.01, 0.01, "\n".join(textwrap.wrap(footer, 170)), fontsize=6, va="bottom")

@@ -13,7 +13,6 @@ steps). With fixed-length blocks its losses equal the pretraining script's.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -21,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from accelerate import PartialState
 from pretrain_llama import parse_args  # same flags and checks as the job it mirrors
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import default_data_collator, get_scheduler, set_seed
@@ -30,12 +30,6 @@ from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flo
                             write_all_results)
 from common.modeling import build_causal_lm, check_block_size, count_parameters, load_config
 from common.optim import create_optimizer
-
-
-class OneProcess:
-    """common/data.py orders processes with `main_process_first()`; a single process needs no ordering."""
-
-    main_process_first = staticmethod(contextlib.nullcontext)
 
 
 def main() -> None:
@@ -49,9 +43,12 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     ga = args.gradient_accumulation_steps
 
+    # common/data.py logs through accelerate and orders processes with `main_process_first()`: it gets the
+    # single-process state, nothing else here uses accelerate.
+    state = PartialState()
     raw = load_raw_datasets(args)
-    tokenizer = get_tokenizer(args, OneProcess(), raw)
-    data = tokenize_and_pack(args, OneProcess(), raw, tokenizer, args.block_size)["train"]
+    tokenizer = get_tokenizer(args, state, raw)
+    data = tokenize_and_pack(args, state, raw, tokenizer, args.block_size)["train"]
     sampler = RandomSampler(data, generator=torch.Generator())  # reseeded per epoch below, as accelerate does
     loader = DataLoader(data, sampler=sampler, batch_size=args.per_device_train_batch_size,
                         collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
@@ -104,8 +101,8 @@ def main() -> None:
             if step % args.logging_steps == 0 or step == total_steps:
                 tokens_per_second, _ = throughput.report()
                 row = {"step": step, "epoch": round(step / steps_per_epoch, 4),
-                       "loss": loss_sum.item() / steps_since_log, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_second": tokens_per_second,
-                       "peak_memory_bytes": peak_memory_bytes()}
+                       "loss": loss_sum.item() / steps_since_log, "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens_per_second": tokens_per_second, "peak_memory_bytes": peak_memory_bytes()}
                 if peak_flops:
                     row["mfu"] = tokens_per_second * step_flops / peak_flops
                 if device.type == "cuda":
