@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import read_metrics, run_script
 
 REQUIRED = ("tokens_per_second", "samples_per_second", "peak_memory_bytes", "final_loss", "step_time_median_s",
             "speed_vs_baseline", "memory_vs_baseline")
@@ -54,6 +54,24 @@ def test_same_work_same_losses(bench):
     by = {r["method"]: r for r in rows}
     assert by["plain_pytorch"]["final_loss"] == pytest.approx(by["baseline"]["final_loss"], rel=1e-5)
     assert by["accumulation"]["final_loss"] == pytest.approx(by["baseline"]["final_loss"], rel=1e-4)
+
+
+def test_plain_loop_writes_metrics_in_the_same_format(bench):
+    out, _ = bench
+    keys = {}
+    for method in ("baseline", "plain_pytorch"):
+        rows = read_metrics(str(out / "runs" / f"{method}-0"))
+        keys[method] = {k for r in rows if "tokens_per_second" in r for k in r}
+    assert keys["plain_pytorch"] == keys["baseline"] >= {"step", "loss", "lr", "grad_norm", "tokens_per_second",
+                                                         "peak_memory_bytes", "time"}
+
+
+def test_plain_loop_runs_alone_on_a_fresh_cache(tmp_path, corpus):
+    """It trains its own tokenizer when none is cached (it is not only ever run after the script it mirrors)."""
+    run_script("plain_loop.py", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+               "--tokenizer_vocab_size", "512", "--block_size", "64", "--max_steps", "2", "--logging_steps", "1",
+               "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"))
+    assert [r["step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 2]
 
 
 def test_markdown_and_chart(bench):
