@@ -62,8 +62,8 @@ def test_plain_loop_writes_metrics_in_the_same_format(bench):
     for method in ("baseline", "plain_pytorch"):
         rows = read_metrics(str(out / "runs" / f"{method}-0"))
         keys[method] = {k for r in rows if "tokens_per_second" in r for k in r}
-    assert keys["plain_pytorch"] == keys["baseline"] >= {"step", "loss", "lr", "grad_norm", "tokens_per_second",
-                                                         "peak_memory_bytes", "time"}
+    read_by_benchmark = {"step", "loss", "tokens_per_second", "peak_memory_bytes", "time"}
+    assert keys["baseline"] >= keys["plain_pytorch"] >= read_by_benchmark | {"lr", "grad_norm", "epoch"}
 
 
 def test_plain_loop_runs_alone_on_a_fresh_cache(tmp_path, corpus):
