@@ -159,7 +159,7 @@ def environment(argv: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cpu": cpu, "cpu_cores": os.cpu_count(),
                     "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                    "memory_gib": round(memory / 2**30, 1), "torch_threads": torch.get_num_threads(),
+                    "memory_gib": round(memory / 2**30, 1),
                     "gpu": torch.cuda.get_device_name() if cuda else None,
                     "gpu_count": torch.cuda.device_count() if cuda else 0, "cuda": torch.version.cuda,
                     "platform": platform.platform()},
@@ -310,8 +310,8 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
     gpu = f"{m['gpu_count']} x {m['gpu']} (CUDA {m['cuda']})" if m["gpu"] else "no GPU"
     lines = [f"# Benchmark: {args.script}", "",
              f"- Date: {env['date']}; commit {env['git_commit']}",
-             f"- Machine: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable; torch threads: "
-             f"{m['torch_threads']}), {m['memory_gib']} GiB RAM, {gpu}",
+             f"- Machine: {m['cpu']}, {m['cpu_cores']} cores ({m['usable_cores']} usable), {m['memory_gib']} GiB RAM, "
+             f"{gpu}",
              "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
              f"- Command: `{env['command']}`",
              f"- Setup: preset {args.model_preset or '(from the script args)'}, sequence "

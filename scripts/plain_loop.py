@@ -30,6 +30,7 @@ from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flo
                             write_all_results)
 from common.modeling import build_causal_lm, check_block_size, count_parameters, load_config
 from common.optim import create_optimizer
+from common.runtime import use_all_cores
 
 
 def main() -> None:
@@ -37,6 +38,8 @@ def main() -> None:
     config = load_config(args)
     check_block_size(config, args.block_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        use_all_cores()  # the script's thread policy on CPUs (build_accelerator applies it there)
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     set_seed(args.seed)
