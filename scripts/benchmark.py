@@ -103,15 +103,14 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
     half = ["--bf16"] if bf16_ok else ["--fp16"]
     mb = max(1, args.per_device_train_batch_size // 4)  # accumulation keeps the samples per optimizer step
     accumulate = ["--per_device_train_batch_size", str(mb), "--gradient_accumulation_steps", "4"]
-    no_gpu = "needs a CUDA GPU"
     table = {
         "baseline": {"flags": []},
         "accumulation": {"flags": accumulate},
         "gradient_checkpointing": {"flags": ["--gradient_checkpointing"]},
-        "fp16": {"flags": ["--fp16"], "skip": None if cuda else no_gpu + " (fp16 loss scaling)"},
+        "fp16": {"flags": ["--fp16"], "skip": None if cuda else "fp16 loss scaling needs a CUDA GPU"},
         "bf16": {"flags": ["--bf16"], "skip": None if bf16_ok else "this GPU has no bf16"},
         "tf32": {"flags": ["--tf32"], "skip": None if cuda and torch.cuda.get_device_capability()[0] >= 8
-                 else no_gpu + " (Ampere or newer)"},
+                 else "needs an NVIDIA GPU, Ampere or newer"},
         "adamw_8bit": {"flags": ["--optim", "adamw_8bit"]},
         "adafactor": {"flags": ["--optim", "adafactor"]},
         "compile": {"flags": ["--torch_compile"]},
@@ -343,7 +342,10 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
                   + (f" (runs paired back to back: {min(runs):.3f}-{max(runs):.3f})" if len(runs) > 1 else "")
                   + f"; fastest step against fastest step: {plain['ours_over_plain_fastest_step']:.3f}x."]
     if skipped:
-        lines += ["", "Not run here: " + "; ".join(f"{k} ({why})" for k, why in skipped.items()) + "."]
+        reasons = {}
+        for method, why in skipped.items():
+            reasons.setdefault(why, []).append(method)
+        lines += ["", "Not run here: " + "; ".join(f"{', '.join(ms)} ({why})" for why, ms in reasons.items()) + "."]
     if failed:
         lines += ["", "Failed:"] + [f"- {k}: {err.splitlines()[0]}" for k, err in failed.items()]
     with open(path, "w", encoding="utf-8") as f:

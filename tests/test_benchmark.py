@@ -82,7 +82,7 @@ def test_markdown_and_chart(bench):
     assert "Machine:" in md and "Versions:" in md and "torch " in md and "Command: `python" in md
     assert "Plain PyTorch loop" in md
     if not torch.cuda.is_available():
-        assert "fp16 (needs a CUDA GPU" in md
+        assert "fp16 (fp16 loss scaling needs a CUDA GPU)" in md
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
