@@ -89,6 +89,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpointing_steps", type=int, default=None, help="Save a resumable checkpoint every N steps.")
     g.add_argument("--save_total_limit", type=int, default=2, help="Keep only the newest N checkpoints.")
     g.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or `latest` in --output_dir/checkpoints.")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow training into a used --output_dir.")
     g.add_argument("--report_to", default="none", choices=("none", "all", "tensorboard", "trackio", "wandb"))
 
 
@@ -123,6 +124,13 @@ def validate_common(args: argparse.Namespace) -> None:
     if args.resume_from_checkpoint and args.resume_from_checkpoint != "latest" \
             and not os.path.isdir(args.resume_from_checkpoint):
         fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such folder")
+    used = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
+    if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
+        fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
+             " it or --overwrite_output_dir to start over")
+    from common.checkpoint import resolve_resume_path  # here, not at the top: checkpoint.py imports `fail`
+
+    args.resume_from_checkpoint = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("fp16 mixed precision needs a CUDA GPU (fp16 loss scaling is not supported on CPU); use --bf16")
     if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
@@ -139,7 +147,7 @@ def validate_common(args: argparse.Namespace) -> None:
 
 
 def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
-    """Flags the fine-tuning scripts share: sequence length, length grouping, freezing, output-dir guard."""
+    """Flags the fine-tuning scripts share: sequence length, length grouping, freezing."""
     g = parser.add_argument_group("fine-tuning")
     g.add_argument("--max_seq_length", type=int, default=None,
                    help="Truncate longer examples (default: the tokenizer's limit, capped by the script).")
@@ -148,7 +156,6 @@ def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
                         "length. Less padding per batch.")
     g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")
     g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow training into a used --output_dir.")
 
 
 def validate_finetuning(args: argparse.Namespace) -> None:
@@ -161,7 +168,3 @@ def validate_finetuning(args: argparse.Namespace) -> None:
         fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
     if args.freeze_layers < 0:
         fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
-    used = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
-    if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
-        fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
-             " it or --overwrite_output_dir to start over")

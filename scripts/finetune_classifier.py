@@ -36,7 +36,7 @@ from common.accumulation import accumulation_windows
 from common.args import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args, fail,
                          validate_common, validate_finetuning)
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import TrainingProgress, export_model, resolve_resume_path, save_checkpoint
+from common.checkpoint import TrainingProgress, export_model, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import count_parameters, enable_gradient_checkpointing, freeze_parameters
@@ -174,10 +174,9 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
-    if resume_path:
-        accelerator.load_state(resume_path)
-        logger.info(f"Resumed from {resume_path} at optimizer step {progress.step}")
+    if args.resume_from_checkpoint:  # `latest` was resolved while checking the flags
+        accelerator.load_state(args.resume_from_checkpoint)
+        logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
     if args.report_to != "none":
         accelerator.init_trackers("finetune_classifier", config={k: v for k, v in vars(args).items()
                                                                  if isinstance(v, (int, float, str, bool))})

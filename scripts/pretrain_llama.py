@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 
 from common.accumulation import accumulation_windows, backward_loss, count_label_tokens
 from common.args import ArgumentParser, add_data_args, add_model_args, add_training_args, fail, validate_common
-from common.checkpoint import TrainingProgress, export_model, resolve_resume_path, save_checkpoint
+from common.checkpoint import TrainingProgress, export_model, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
@@ -49,18 +49,12 @@ def parse_args(argv: list[str] | None = None):
     g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="When a tokenizer is trained here.")
     g.add_argument("--sample_prompt", default="def ", help="Prompt for the sample generated at the end.")
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="0: no sample.")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow training into a used --output_dir.")
     args = parser.parse_args(argv)
     validate_common(args)
     if args.block_size < 2:
         fail(f"--block_size must be >= 2 (got {args.block_size})")
     if sum(x is not None for x in (args.model_name_or_path, args.config_name, args.model_preset)) > 1:
         fail("give only one of --model_name_or_path, --config_name, --model_preset")
-    used = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
-    if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
-        fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
-             " it or --overwrite_output_dir to start over")
-    args.resume_from_checkpoint = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
     return args
 
 
