@@ -76,6 +76,13 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     return accelerator
 
 
+def init_trackers(accelerator: Accelerator, args: argparse.Namespace, project: str) -> None:
+    """Start the --report_to trackers, with the run's scalar flags as its config (trackers reject None and lists)."""
+    if args.report_to != "none":
+        accelerator.init_trackers(project, config={k: v for k, v in vars(args).items()
+                                                   if isinstance(v, (int, float, str, bool))})
+
+
 def use_all_cores() -> None:
     """CPU runs: share the machine's cores among the local processes.
 

@@ -44,7 +44,7 @@ from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import build_causal_lm, count_parameters, freeze_parameters
 from common.optim import create_optimizer_and_scheduler
-from common.runtime import build_accelerator, finish
+from common.runtime import build_accelerator, finish, init_trackers
 
 logger = get_logger(__name__)
 
@@ -180,9 +180,7 @@ def train(args, config, accelerator) -> None:
     if args.resume_from_checkpoint:  # `latest` was resolved while checking the flags
         accelerator.load_state(args.resume_from_checkpoint)
         logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
-    if args.report_to != "none":
-        accelerator.init_trackers("finetune_causal_lm", config={k: v for k, v in vars(args).items()
-                                                                if isinstance(v, (int, float, str, bool))})
+    init_trackers(accelerator, args, "finetune_causal_lm")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(data['train'])} training examples "
                 f"({'chat template' if use_messages else 'prompt + completion'}, at most {max_length} tokens), "

@@ -41,7 +41,7 @@ from common.data import get_tokenizer, load_raw_datasets
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import count_parameters, enable_gradient_checkpointing, freeze_parameters
 from common.optim import create_optimizer_and_scheduler
-from common.runtime import build_accelerator, finish
+from common.runtime import build_accelerator, finish, init_trackers
 
 logger = get_logger(__name__)
 
@@ -177,9 +177,7 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
     if args.resume_from_checkpoint:  # `latest` was resolved while checking the flags
         accelerator.load_state(args.resume_from_checkpoint)
         logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
-    if args.report_to != "none":
-        accelerator.init_trackers("finetune_classifier", config={k: v for k, v in vars(args).items()
-                                                                 if isinstance(v, (int, float, str, bool))})
+    init_trackers(accelerator, args, "finetune_classifier")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
                 f"{len(data['train'])} training examples, {steps_per_epoch} optimizer steps per epoch, {total_steps} "

@@ -34,7 +34,7 @@ from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
 from common.modeling import PRESETS, build_causal_lm, check_block_size, count_parameters, load_config
 from common.optim import create_optimizer_and_scheduler
-from common.runtime import build_accelerator, finish
+from common.runtime import build_accelerator, finish, init_trackers
 
 logger = get_logger(__name__)
 
@@ -106,9 +106,7 @@ def train(args, config, accelerator) -> None:
     if args.resume_from_checkpoint:
         accelerator.load_state(args.resume_from_checkpoint)
         logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
-    if args.report_to != "none":
-        accelerator.init_trackers("pretrain_llama", config={k: v for k, v in vars(args).items()
-                                                            if isinstance(v, (int, float, str, bool))})
+    init_trackers(accelerator, args, "pretrain_llama")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
                 f"{len(data['train'])} training blocks of {args.block_size} tokens, {steps_per_epoch} optimizer "
                 f"steps per epoch, {total_steps} in all; global batch "
