@@ -36,6 +36,11 @@ def count_label_tokens(window: list[dict], accelerator: Accelerator) -> torch.Te
     return accelerator.reduce(torch.as_tensor(local, device=accelerator.device), reduction="sum")
 
 
+def router_aux_loss_coefficient(config) -> float:
+    """The weight of a mixture-of-experts load-balancing loss that the model adds to its loss (0: none)."""
+    return getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0.0
+
+
 def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float = 0.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to pass to `accelerator.backward`, this micro-batch's share of the window's token-mean loss).

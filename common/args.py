@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
+
+from common.checkpoint import resolve_resume_path
+from common.errors import fail
+from common.modeling import PRESETS
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
@@ -22,12 +25,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D102
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def fail(message: str) -> None:
-    """Stop with one clear line (exit status 2). For bad input found before training starts."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...]) -> None:
@@ -128,8 +125,6 @@ def validate_common(args: argparse.Namespace) -> None:
     if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
         fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
              " it or --overwrite_output_dir to start over")
-    from common.checkpoint import resolve_resume_path  # here, not at the top: checkpoint.py imports `fail`
-
     args.resume_from_checkpoint = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("fp16 mixed precision needs a CUDA GPU (fp16 loss scaling is not supported on CPU); use --bf16")
@@ -146,8 +141,12 @@ def validate_common(args: argparse.Namespace) -> None:
             fail(f"--report_to {args.report_to}: the package is not installed (pip install {args.report_to})")
 
 
-def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
-    """Flags the fine-tuning scripts share: sequence length, length grouping, freezing."""
+def finetuning_parser(description: str | None = None) -> ArgumentParser:
+    """The flags both fine-tuning scripts share: model, data, training, and sequence length, grouping, freezing."""
+    parser = ArgumentParser(description=description)
+    add_model_args(parser, presets=())
+    add_data_args(parser)
+    add_training_args(parser)
     g = parser.add_argument_group("fine-tuning")
     g.add_argument("--max_seq_length", type=int, default=None,
                    help="Truncate longer examples (default: the tokenizer's limit, capped by the script).")
@@ -156,10 +155,12 @@ def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
                         "length. Less padding per batch.")
     g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")
     g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
+    return parser
 
 
 def validate_finetuning(args: argparse.Namespace) -> None:
-    """Fine-tuning starts from pretrained weights; cheap checks of the shared fine-tuning flags."""
+    """Fine-tuning starts from pretrained weights; cheap checks of the shared and fine-tuning flags."""
+    validate_common(args)
     if not args.model_name_or_path:
         fail("fine-tuning needs --model_name_or_path (a local folder or a hub id)")
     if args.config_name:
@@ -168,3 +169,23 @@ def validate_finetuning(args: argparse.Namespace) -> None:
         fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
     if args.freeze_layers < 0:
         fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
+
+
+def parse_pretraining_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    """The flags of the pretraining job (scripts/pretrain_llama.py, and scripts/plain_loop.py which mirrors it)."""
+    parser = ArgumentParser(description=description)
+    add_model_args(parser, PRESETS)
+    add_data_args(parser)
+    add_training_args(parser)
+    g = parser.add_argument_group("pretraining")
+    g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
+    g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="When a tokenizer is trained here.")
+    g.add_argument("--sample_prompt", default="def ", help="Prompt for the sample generated at the end.")
+    g.add_argument("--sample_max_new_tokens", type=int, default=64, help="0: no sample.")
+    args = parser.parse_args(argv)
+    validate_common(args)
+    if args.block_size < 2:
+        fail(f"--block_size must be >= 2 (got {args.block_size})")
+    if sum(x is not None for x in (args.model_name_or_path, args.config_name, args.model_preset)) > 1:
+        fail("give only one of --model_name_or_path, --config_name, --model_preset")
+    return args

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
-from common.args import fail
+from common.errors import fail
 
 logger = get_logger(__name__)
 CHECKPOINT_DIR = "checkpoints"
@@ -27,6 +27,23 @@ class TrainingProgress:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+
+def track_progress(accelerator: Accelerator) -> TrainingProgress:
+    """A step counter that every checkpoint saves and every resume restores (register once per Accelerator)."""
+    progress = TrainingProgress()
+    accelerator.register_for_checkpointing(progress)
+    return progress
+
+
+def resume(accelerator: Accelerator, path: str | None, progress: TrainingProgress) -> None:
+    """Restore model, optimizer, scheduler, RNG and `progress` from a checkpoint folder (nothing when `path` is None).
+
+    `--resume_from_checkpoint latest` was resolved to a folder while the flags were checked.
+    """
+    if path:
+        accelerator.load_state(path)
+        logger.info(f"Resumed from {path} at optimizer step {progress.step}")
 
 
 def _checkpoints(output_dir: str) -> list[str]:

@@ -15,7 +15,8 @@ from datasets import DatasetDict, load_dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from common.args import DATA_EXTENSIONS, fail
+from common.args import DATA_EXTENSIONS
+from common.errors import fail
 
 logger = get_logger(__name__)
 

@@ -12,7 +12,7 @@ import json
 import os
 import warnings
 
-from common.args import fail
+from common.errors import fail
 
 
 def check_deepspeed_config(args: argparse.Namespace) -> None:

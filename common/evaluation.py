@@ -21,7 +21,7 @@ def evaluate_causal_lm(model, dataloader, accelerator: Accelerator) -> dict[str,
     token_count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in dataloader:
         labels = batch.pop("labels")
-        logits = model(**batch).logits[:, :-1].float()
+        logits = model(**batch, use_cache=False).logits[:, :-1].float()
         targets = labels[:, 1:]
         per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
         sums, counts = accelerator.gather_for_metrics((per_token.sum(1), (targets != -100).sum(1)))

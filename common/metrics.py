@@ -11,6 +11,10 @@ import time
 from contextlib import contextmanager
 
 import torch
+from accelerate.logging import get_logger
+from tqdm.auto import tqdm
+
+logger = get_logger(__name__)
 
 # Dense bf16 peak of one GPU (no sparsity), by a substring of its name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -98,22 +102,27 @@ def write_all_results(output_dir: str, results: dict) -> None:
 
 
 class StepLog:
-    """What the training loops log: loss, lr, grad norm, tokens/s, padding, memory (and MFU on known GPUs).
+    """What the training loops log: loss, lr, grad norm, tokens/s, padding, memory (and MFU on known GPUs), with a
+    progress bar.
 
-    Micro-batch figures are summed on the device between logged steps (no host sync per step) and reduced over the
-    processes only when a row is written: to `metrics.jsonl` (main process) and to accelerate's trackers.
-    `loss_reduction` says how the processes' loss shares combine: "sum" for the exact token-normalised shares of
-    `common/accumulation.py` (each already divided by the window's global token count), "mean" for per-process means.
+    The contract: for every micro-batch the loop calls `add(loss_share, batch)`, where the shares added for one
+    optimizer step on all processes sum to that step's loss (`common/accumulation.py`'s token shares do); after the
+    step it calls `step(...)` once. Figures are summed on the device between logged rows (no host sync per step) and
+    reduced over the processes only every `logging_steps` and at the last step, when a row goes to `metrics.jsonl`
+    (main process) and to accelerate's trackers.
     """
 
-    def __init__(self, accelerator, output_dir: str, resume_step: int = 0, loss_reduction: str = "sum",
-                 flops_per_token: float | None = None) -> None:
-        self.accelerator, self.loss_reduction = accelerator, loss_reduction
-        self.writer = MetricsWriter(output_dir, accelerator.is_main_process, resume_step)
+    def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int,
+                 logging_steps: int, flops_per_token: float | None = None) -> None:
+        self.accelerator, self.total_steps, self.steps_per_epoch = accelerator, total_steps, steps_per_epoch
+        self.logging_steps, self.flops_per_token = logging_steps, flops_per_token
+        self.writer = MetricsWriter(output_dir, accelerator.is_main_process, start_step)
         self.throughput = Throughput()
-        self.peak_flops = peak_flops_per_device() if flops_per_token else None
-        self.flops_per_token = flops_per_token
         self.paused = self.throughput.paused
+        self.peak_flops = peak_flops_per_device() if flops_per_token else None
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
+                        disable=not accelerator.is_local_main_process)
+        self.last_written_step, self.last_row = start_step, {}
         self.run_padding = self.run_positions = 0
         self._reset()
 
@@ -121,34 +130,34 @@ class StepLog:
         device = self.accelerator.device
         self.loss = torch.zeros((), device=device)
         self.padding = torch.zeros((), dtype=torch.long, device=device)
-        self.positions = self.steps = 0
+        self.positions = 0
 
-    def add(self, loss: torch.Tensor, batch: dict) -> None:
+    def add(self, loss_share: torch.Tensor, batch: dict) -> None:
         """One micro-batch: its share of the step's loss, and its real and padding positions."""
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        self.loss += loss.detach()
+        self.loss += loss_share.detach()
         if mask is not None:  # packed batches carry no mask: no padding
             self.padding += ids.numel() - mask.sum()
         self.positions += ids.numel()
 
-    def end_step(self) -> None:
-        self.steps += 1
-
     @property
     def padding_fraction(self) -> float:
-        """Share of padding positions over the whole run so far (all processes)."""
+        """Share of padding positions over the logged rows so far (all processes)."""
         return self.run_padding / max(self.run_positions, 1)
 
-    def write_step(self, step: int, epoch: float, lr: float, grad_norm) -> dict:
-        """Reduce the figures since the last row over the processes, write the row, start afresh."""
+    def step(self, step: int, lr: float, grad_norm) -> dict | None:
+        """Optimizer step `step` is done: advance the bar; every `logging_steps` and at the end, write a row."""
+        self.bar.update(1)
+        if step % self.logging_steps and step != self.total_steps:
+            return None
         acc = self.accelerator
         padding, positions = acc.reduce(torch.stack(
             [self.padding, torch.full_like(self.padding, self.positions)]), "sum").tolist()
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work
         tokens_per_second, _ = self.throughput.report()
-        row = {"step": step, "epoch": round(epoch, 4),
-               "loss": acc.reduce(self.loss, self.loss_reduction).item() / max(self.steps, 1),
+        row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4),
+               "loss": acc.reduce(self.loss, "sum").item() / max(step - self.last_written_step, 1),
                "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),
                "peak_memory_bytes": peak_memory_bytes()}
@@ -158,9 +167,17 @@ class StepLog:
             row["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
         self.writer.write(row)
         acc.log(row, step=step)
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
+                             pad=f"{row['padding_fraction']:.2f}")
+        self.last_written_step, self.last_row = step, row
         self._reset()
         return row
 
     def write_eval(self, step: int, eval_metrics: dict) -> None:
+        """An evaluation's figures: to metrics.jsonl, the trackers and the log."""
+        logger.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
         self.writer.write({"step": step, **eval_metrics})
         self.accelerator.log(eval_metrics, step=step)
+
+    def close(self) -> None:
+        self.bar.close()

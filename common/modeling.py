@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
-from common.args import fail
+from common.errors import fail
 
 # Llama shapes. vocab_size is replaced by the tokenizer's size when a model is built from scratch.
 LLAMA_PRESETS = {
@@ -46,6 +46,17 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
     return LlamaConfig(**LLAMA_PRESETS[preset])
 
 
+def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
+    """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
+    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    if args.freeze_layers > config.num_hidden_layers:
+        fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if args.max_seq_length and max_positions and args.max_seq_length > max_positions:
+        fail(f"--max_seq_length {args.max_seq_length} is larger than the model's {max_positions} positions")
+    return config
+
+
 def check_block_size(config: PretrainedConfig, block_size: int) -> None:
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and block_size > max_positions:
@@ -72,8 +83,11 @@ def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_si
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Non-reentrant activation checkpointing: safe under DDP (the reentrant kind marks parameters ready twice)."""
-    model.config.use_cache = False
+    """Non-reentrant activation checkpointing: safe under DDP (the reentrant kind marks parameters ready twice).
+
+    The training forward passes `use_cache=False`; the config keeps its value, so an export still generates with a
+    cache.
+    """
     model.activation_checkpointing_enable({"use_reentrant": False})
 
 

@@ -19,7 +19,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.args import fail
+from common.errors import fail
 from common.deepspeed_check import check_deepspeed_config
 
 logger = get_logger(__name__)

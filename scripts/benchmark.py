@@ -34,7 +34,8 @@ sys.path.insert(0, ROOT)
 
 import torch
 
-from common.args import ArgumentParser, fail
+from common.args import ArgumentParser
+from common.errors import fail
 
 PRETRAIN, PLAIN = os.path.join("scripts", "pretrain_llama.py"), os.path.join("scripts", "plain_loop.py")
 RUN_FLAGS = ("--output_dir", "--max_steps", "--logging_steps", "--eval_steps", "--checkpointing_steps",

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from common.args import ArgumentParser, fail  # noqa: E402
+from common.args import ArgumentParser  # noqa: E402
+from common.errors import fail  # noqa: E402
 from common.modeling import PRESETS  # noqa: E402
 
 GB = 1e9

@@ -17,6 +17,7 @@ of micro-batch means.
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import json
 import math
@@ -28,33 +29,28 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import torch
-from accelerate import skip_first_batches
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from transformers import AutoConfig, DataCollatorForSeq2Seq, DataCollatorWithFlattening
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from common.accumulation import accumulation_windows, backward_loss, count_label_tokens
-from common.args import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args, fail,
-                         validate_common, validate_finetuning)
+from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
+from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import TrainingProgress, export_model, save_checkpoint
+from common.checkpoint import export_model, resume, save_checkpoint, track_progress
 from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
+from common.errors import fail
 from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
-from common.modeling import build_causal_lm, count_parameters, freeze_parameters
+from common.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator, finish, init_trackers
+from common.steps import count_optimizer_steps, optimizer_step_windows
 
 logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser, presets=())
-    add_data_args(parser)
-    add_training_args(parser)
-    add_finetuning_args(parser)
+    parser = finetuning_parser(description=__doc__.split("\n")[0])
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
     g = parser.add_argument_group("supervised fine-tuning")
     g.add_argument("--prompt_column", default="prompt")
@@ -64,7 +60,6 @@ def parse_args(argv: list[str] | None = None):
     g.add_argument("--packing", action="store_true",
                    help="Concatenate each batch's examples into one row with per-example position ids (no padding).")
     args = parser.parse_args(argv)
-    validate_common(args)
     validate_finetuning(args)
     if args.packing and args.group_by_length:
         fail("--group_by_length saves nothing with --packing (packed batches have no padding)")
@@ -75,22 +70,14 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> None:
     args = parse_args()
-    config = AutoConfig.from_pretrained(args.model_name_or_path)  # cheap: checks the flags before any heavy work
-    if args.freeze_layers > config.num_hidden_layers:
-        fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if args.max_seq_length and max_positions and args.max_seq_length > max_positions:
-        fail(f"--max_seq_length {args.max_seq_length} is larger than the model's {max_positions} positions")
+    config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     accelerator = build_accelerator(args)
     train(args, config, accelerator)
     finish(accelerator)
 
 
-def train(args, config, accelerator) -> None:
-    os.makedirs(args.output_dir, exist_ok=True)
-    ga = args.gradient_accumulation_steps
-
-    # ---- data: rows -> text + response spans -> tokens with the prompt masked (-100) -------------------------------
+def load_sft_data(args, accelerator, config):
+    """Rows -> text + response spans -> tokens with the prompt masked (-100): (tokenizer, datasets, chat turns?)."""
     if not args.train_file and not args.dataset_name:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
@@ -109,29 +96,13 @@ def train(args, config, accelerator) -> None:
     if use_messages and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.messages_column}') but the tokenizer has no chat template: pass "
              "--chat_template FILE, or use prompt/completion columns")
-    saved_padding_side, tokenizer.padding_side = tokenizer.padding_side, "right"  # positions count from the left
     max_length = args.max_seq_length or min(tokenizer.model_max_length,
                                             getattr(config, "max_position_embeddings", None) or 2048, 2048)
-
-    def tokenize(batch):
-        out = {"input_ids": [], "attention_mask": [], "labels": [], "length": []}
-        for i in range(len(next(iter(batch.values())))):
-            if use_messages:
-                text, spans = render_chat(tokenizer, batch[args.messages_column][i])
-            else:
-                prompt, completion = batch[args.prompt_column][i], batch[args.completion_column][i]
-                text, spans = prompt + completion, [(len(prompt), len(prompt) + len(completion))]
-            ids, labels = tokenize_with_response_labels(tokenizer, text, spans, plain_text=not use_messages)
-            ids, labels = ids[:max_length], labels[:max_length]
-            if any(label != -100 for label in labels[1:]):  # else the prompt alone fills max_length: nothing to learn
-                out["input_ids"].append(ids)
-                out["attention_mask"].append([1] * len(ids))
-                out["labels"].append(labels)
-                out["length"].append(len(ids))
-        return out
-
+    columns = dict(messages_column=args.messages_column) if use_messages else \
+        dict(prompt_column=args.prompt_column, completion_column=args.completion_column)
     with accelerator.main_process_first():
-        data = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
+        data = raw.map(tokenize_sft_rows, batched=True, num_proc=args.preprocessing_num_workers,
+                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, **columns),
                        remove_columns=raw["train"].column_names, desc="Tokenizing")
     for split in ("train", "validation"):
         if len(data[split]) < len(raw[split]):
@@ -139,7 +110,39 @@ def train(args, config, accelerator) -> None:
                         f"--max_seq_length {max_length}")
         if len(data[split]) == 0:
             fail(f"no {split} example has a response token within --max_seq_length {max_length}")
-    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100,
+    logger.info(f"{len(data['train'])} training examples ({'chat template' if use_messages else 'prompt + completion'}"
+                f", at most {max_length} tokens)")
+    return tokenizer, data
+
+
+def tokenize_sft_rows(batch: dict, tokenizer, max_length: int, messages_column: str | None = None,
+                      prompt_column: str | None = None, completion_column: str | None = None) -> dict:
+    """`datasets.map` function: chat turns (`messages_column`) or prompt + completion -> ids, labels, length.
+
+    Examples whose prompt alone fills `max_length` are dropped: they have nothing to learn.
+    """
+    out = {"input_ids": [], "attention_mask": [], "labels": [], "length": []}
+    for i in range(len(next(iter(batch.values())))):
+        if messages_column:
+            text, spans = render_chat(tokenizer, batch[messages_column][i])
+        else:
+            prompt, completion = batch[prompt_column][i], batch[completion_column][i]
+            text, spans = prompt + completion, [(len(prompt), len(prompt) + len(completion))]
+        ids, labels = tokenize_with_response_labels(tokenizer, text, spans, plain_text=not messages_column)
+        ids, labels = ids[:max_length], labels[:max_length]
+        if any(label != -100 for label in labels[1:]):
+            out["input_ids"].append(ids)
+            out["attention_mask"].append([1] * len(ids))
+            out["labels"].append(labels)
+            out["length"].append(len(ids))
+    return out
+
+
+def build_dataloaders(args, accelerator, tokenizer, data):
+    """Padded batches (or one packed row per batch with --packing), optionally grouped by length."""
+    collate_tokenizer = copy.copy(tokenizer)  # the export keeps the tokenizer's own padding side
+    collate_tokenizer.padding_side = "right"  # positions count from the left
+    padded = DataCollatorForSeq2Seq(collate_tokenizer, label_pad_token_id=-100,
                                     pad_to_multiple_of=pad_to_multiple_of(accelerator))
     # Packing: one row per batch, position ids restart at 0 for each example, and labels get -100 at each start.
     train_collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100) if args.packing else padded
@@ -148,107 +151,82 @@ def train(args, config, accelerator) -> None:
         sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
         data["validation"] = data["validation"].sort("length")  # order is free: the loss is gathered, not streamed
     data = data.remove_columns("length")
-    pin = args.dataloader_pin_memory and torch.cuda.is_available()
+    loader_kwargs = dict(num_workers=args.dataloader_num_workers,
+                         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
     train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None,
                                   batch_size=args.per_device_train_batch_size, collate_fn=train_collator,
-                                  num_workers=args.dataloader_num_workers, pin_memory=pin)
+                                  **loader_kwargs)
     eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=padded,
-                                 num_workers=args.dataloader_num_workers, pin_memory=pin)
-    steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes) // ga
-    if steps_per_epoch == 0:
-        fail(f"{len(data['train'])} training examples are fewer than one optimizer step needs "
-             f"({args.per_device_train_batch_size} x {ga} accumulation x {accelerator.num_processes} processes)")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
+                                 **loader_kwargs)
+    return train_dataloader, eval_dataloader
+
+
+def train(args, config, accelerator) -> None:
+    os.makedirs(args.output_dir, exist_ok=True)
+    ga = args.gradient_accumulation_steps
+    tokenizer, data = load_sft_data(args, accelerator, config)
+    train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
+                                                         args.max_steps, args.num_train_epochs)
 
     # ---- model, freezing, optimizer, schedule (in optimizer steps) --------------------------------------------------
     model = build_causal_lm(args, config, len(tokenizer))
-    use_cache, model.config.use_cache = model.config.use_cache, False
-    # (Measured, transformers 5.23: with a KV cache in the forward, the packed-sequence mask is silently skipped.)
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.packing:
         check_packing(model)
     trainable, total_params = count_parameters(model)
-    router_aux_loss_coef = getattr(model.config, "router_aux_loss_coef", 0.0) \
-        if getattr(model.config, "output_router_logits", False) else 0.0
+    router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    progress = TrainingProgress()
-    accelerator.register_for_checkpointing(progress)
-    if args.resume_from_checkpoint:  # `latest` was resolved while checking the flags
-        accelerator.load_state(args.resume_from_checkpoint)
-        logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
+    progress = track_progress(accelerator)
+    resume(accelerator, args.resume_from_checkpoint, progress)
     init_trackers(accelerator, args, "finetune_causal_lm")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
-                f"({100 * trainable / total_params:.1f}%); {len(data['train'])} training examples "
-                f"({'chat template' if use_messages else 'prompt + completion'}, at most {max_length} tokens), "
-                f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in all; global batch "
-                f"{args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
+                f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
+                f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
 
     # ---- training loop ----------------------------------------------------------------------------------------------
-    log = StepLog(accelerator, args.output_dir, resume_step=progress.step)
-    last_log, train_start = {}, time.perf_counter()
-    progress_bar = tqdm(total=total_steps, initial=progress.step, desc="train",
-                        disable=not accelerator.is_local_main_process)
+    log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
+    train_start = time.perf_counter()
     model.train()
-    start_epoch, skip_steps = divmod(progress.step, steps_per_epoch)
-    for epoch in range(start_epoch, num_epochs):
-        train_dataloader.set_epoch(epoch)  # the same shuffle per epoch, for any process count and after a resume
-        batches = train_dataloader
-        if epoch == start_epoch and skip_steps:  # resume mid-epoch: skip the micro-batches already trained on
-            batches = skip_first_batches(train_dataloader, skip_steps * ga)
-        for window in accumulation_windows(batches, ga):
-            lr = lr_scheduler.get_last_lr()[0]
-            num_items = count_label_tokens(window, accelerator)  # response tokens in the window, all processes
-            for batch in window:
-                with accelerator.accumulate(model):
-                    outputs = model(**batch, num_items_in_batch=num_items)
-                    loss, token_loss = backward_loss(outputs, accelerator, router_aux_loss_coef)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    optimizer.step()
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                        lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                log.add(token_loss, batch)
-            progress.step += 1
-            step = progress.step
-            log.end_step()
-            progress_bar.update(1)
+    for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
+        lr = lr_scheduler.get_last_lr()[0]
+        num_items = count_label_tokens(window, accelerator)  # response tokens in the window, all processes
+        for batch in window:
+            with accelerator.accumulate(model):
+                # No KV cache in training (measured, transformers 5.23: with one, the packed-sequence mask is skipped).
+                outputs = model(**batch, num_items_in_batch=num_items, use_cache=False)
+                loss, token_loss = backward_loss(outputs, accelerator, router_aux_loss_coef)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            log.add(token_loss, batch)
+        step = progress.step
+        log.step(step, lr, grad_norm)
 
-            if step % args.logging_steps == 0 or step == total_steps:
-                last_log = log.write_step(step, step / steps_per_epoch, lr, grad_norm)
-                progress_bar.set_postfix(loss=f"{last_log['loss']:.4f}", lr=f"{lr:.2e}",
-                                         pad=f"{last_log['padding_fraction']:.2f}")
-            if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
-                with log.paused():
-                    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
-                log.write_eval(step, eval_metrics)
-                logger.info(f"step {step}: eval_loss {eval_metrics['eval_loss']:.4f} "
-                            f"perplexity {eval_metrics['perplexity']:.2f}")
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                with log.paused():
-                    save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
-            if step >= total_steps:
-                break
-        if progress.step >= total_steps:
-            break
-    progress_bar.close()
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+            with log.paused():
+                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+            log.write_eval(step, eval_metrics)
+        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+            with log.paused():
+                save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+    log.close()
     train_runtime = time.perf_counter() - train_start
 
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    logger.info(f"Final eval_loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['perplexity']:.2f}")
-    accelerator.unwrap_model(model).config.use_cache = use_cache  # generation wants its cache back
-    tokenizer.padding_side = saved_padding_side
     export_model(accelerator, model, tokenizer, args.output_dir)
     if accelerator.is_main_process:
         write_all_results(args.output_dir, {
-            **eval_metrics, "train_loss": last_log.get("loss"), "train_steps": progress.step,
+            **eval_metrics, "train_loss": log.last_row.get("loss"), "train_steps": progress.step,
             "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,
             "num_parameters": total_params, "trainable_parameters": trainable, "train_examples": len(data["train"]),
             "num_processes": accelerator.num_processes, "peak_memory_bytes": peak_memory_bytes()})
@@ -298,8 +276,8 @@ def check_packing(model) -> None:
     packed examples must give the logits it gives alone (a model that ignores the position ids would mix them)."""
     ids = torch.arange(1, 9).unsqueeze(0) % model.config.vocab_size
     model.eval()
-    alone = model(input_ids=ids[:, 4:]).logits
-    packed = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])).logits[:, 4:]
+    alone = model(input_ids=ids[:, 4:], use_cache=False).logits
+    packed = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), use_cache=False).logits[:, 4:]
     model.train()
     if not torch.allclose(alone, packed, atol=1e-4, rtol=1e-3):
         fail(f"--packing: {type(model).__name__} with attn_implementation={model.config._attn_implementation} lets "

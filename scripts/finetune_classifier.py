@@ -24,34 +24,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 import torch.nn.functional as F
-from accelerate import skip_first_batches
 from accelerate.logging import get_logger
 from accelerate.utils import find_executable_batch_size, set_seed
 from datasets import ClassLabel
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForSequenceClassification, DataCollatorWithPadding
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.accumulation import accumulation_windows
-from common.args import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args, fail,
-                         validate_common, validate_finetuning)
+from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import TrainingProgress, export_model, save_checkpoint
+from common.checkpoint import TrainingProgress, export_model, resume, save_checkpoint, track_progress
 from common.data import get_tokenizer, load_raw_datasets
+from common.errors import fail
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
-from common.modeling import count_parameters, enable_gradient_checkpointing, freeze_parameters
+from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
+                             load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator, finish, init_trackers
+from common.steps import count_optimizer_steps, optimizer_step_windows
 
 logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser, presets=())
-    add_data_args(parser)
-    add_training_args(parser)
-    add_finetuning_args(parser)
+    parser = finetuning_parser(description=__doc__.split("\n")[0])
     # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.01, adam_beta2=0.999, lr_scheduler_type="linear",
                         attn_implementation=None)
@@ -66,7 +61,6 @@ def parse_args(argv: list[str] | None = None):
                    help="Export the model of the best evaluation (see --eval_steps) instead of the last one.")
     g.add_argument("--metric_for_best_model", default="accuracy", choices=("accuracy", "f1", "loss"))
     args = parser.parse_args(argv)
-    validate_common(args)
     validate_finetuning(args)
     if args.group_by_length and args.pad_to_max_length:
         fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
@@ -78,15 +72,9 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> None:
     args = parse_args()
-    config = AutoConfig.from_pretrained(args.model_name_or_path)  # cheap: checks the flags before any heavy work
-    if args.freeze_layers > config.num_hidden_layers:
-        fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if args.max_seq_length and max_positions and args.max_seq_length > max_positions:
-        fail(f"--max_seq_length {args.max_seq_length} is larger than the model's {max_positions} positions")
+    config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     accelerator = build_accelerator(args)
-    progress = TrainingProgress()  # optimizer steps done; saved and restored with every checkpoint
-    accelerator.register_for_checkpointing(progress)
+    progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
     if not args.auto_find_batch_size:
         train(args, config, accelerator, progress)
     else:
@@ -109,11 +97,8 @@ def main() -> None:
     finish(accelerator)
 
 
-def train(args, config, accelerator, progress: TrainingProgress) -> None:
-    os.makedirs(args.output_dir, exist_ok=True)
-    ga = args.gradient_accumulation_steps
-
-    # ---- data: rows -> label ids + tokens; batches padded by the collator -------------------------------------------
+def load_classification_data(args, accelerator, config):
+    """Rows -> label ids + tokens: (tokenizer, tokenized datasets with a `length` column, label names)."""
     pair_column = args.text_pair_column
     columns = {args.text_column: "--text_column", args.label_column: "--label_column"}
     if pair_column:
@@ -127,17 +112,26 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
         fail(f"--metric_for_best_model f1 needs two labels (found {len(label_names)})")
     max_length = args.max_seq_length or min(tokenizer.model_max_length,
                                             getattr(config, "max_position_embeddings", None) or 512, 512)
-
-    def tokenize(batch):
-        enc = tokenizer(batch[args.text_column], batch[pair_column] if pair_column else None, truncation=True,
-                        max_length=max_length)
-        enc["labels"] = [label_ids[v] for v in batch[args.label_column]]
-        enc["length"] = [len(ids) for ids in enc["input_ids"]]
-        return enc
-
     with accelerator.main_process_first():
-        data = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
+        data = raw.map(tokenize_labelled_rows, batched=True, num_proc=args.preprocessing_num_workers,
+                       fn_kwargs=dict(tokenizer=tokenizer, text_column=args.text_column, pair_column=pair_column,
+                                      label_column=args.label_column, label_ids=label_ids, max_length=max_length),
                        remove_columns=raw["train"].column_names, desc="Tokenizing")
+    return tokenizer, data, label_names, max_length
+
+
+def tokenize_labelled_rows(batch: dict, tokenizer, text_column: str, pair_column: str | None, label_column: str,
+                           label_ids: dict, max_length: int) -> dict:
+    """`datasets.map` function: text (and text pair) -> truncated ids, label -> label id, and each example's length."""
+    enc = tokenizer(batch[text_column], batch[pair_column] if pair_column else None, truncation=True,
+                    max_length=max_length)
+    enc["labels"] = [label_ids[v] for v in batch[label_column]]
+    enc["length"] = [len(ids) for ids in enc["input_ids"]]
+    return enc
+
+
+def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
+    """Batches padded to their longest example (or to max length), optionally grouped by length."""
     collator = DataCollatorWithPadding(tokenizer, padding="max_length" if args.pad_to_max_length else "longest",
                                        max_length=max_length, pad_to_multiple_of=pad_to_multiple_of(accelerator))
     sampler = None
@@ -145,20 +139,23 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
         sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
         data["validation"] = data["validation"].sort("length")  # order is free: metrics are gathered, not streamed
     data = data.remove_columns("length")
-    pin = args.dataloader_pin_memory and torch.cuda.is_available()
+    loader_kwargs = dict(collate_fn=collator, num_workers=args.dataloader_num_workers,
+                         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
     # drop_last: every micro-batch holds the same number of examples, so averaging the micro-batch means
     # (accelerate's 1/accumulation, DDP's 1/processes) is exactly the mean over the optimizer step's examples.
     train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None, drop_last=True,
-                                  batch_size=args.per_device_train_batch_size, collate_fn=collator,
-                                  num_workers=args.dataloader_num_workers, pin_memory=pin)
-    eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collator,
-                                 num_workers=args.dataloader_num_workers, pin_memory=pin)
-    steps_per_epoch = len(train_dataloader) // accelerator.num_processes // ga
-    if steps_per_epoch == 0:
-        fail(f"{len(data['train'])} training examples are fewer than one optimizer step needs "
-             f"({args.per_device_train_batch_size} x {ga} accumulation x {accelerator.num_processes} processes)")
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
+                                  batch_size=args.per_device_train_batch_size, **loader_kwargs)
+    eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+    return train_dataloader, eval_dataloader
+
+
+def train(args, config, accelerator, progress: TrainingProgress) -> None:
+    os.makedirs(args.output_dir, exist_ok=True)
+    ga = args.gradient_accumulation_steps
+    tokenizer, data, label_names, max_length = load_classification_data(args, accelerator, config)
+    train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data, max_length)
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
+                                                         args.max_steps, args.num_train_epochs)
 
     # ---- model (new classification head), freezing, optimizer, schedule (in optimizer steps) -----------------------
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -174,94 +171,79 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    if args.resume_from_checkpoint:  # `latest` was resolved while checking the flags
-        accelerator.load_state(args.resume_from_checkpoint)
-        logger.info(f"Resumed from {args.resume_from_checkpoint} at optimizer step {progress.step}")
+    resume(accelerator, args.resume_from_checkpoint, progress)
     init_trackers(accelerator, args, "finetune_classifier")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
                 f"{len(data['train'])} training examples, {steps_per_epoch} optimizer steps per epoch, {total_steps} "
                 f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes}")
 
-    # Evaluate; with --load_best_model_at_end, export each model that beats the best so far.
-    log = StepLog(accelerator, args.output_dir, resume_step=progress.step, loss_reduction="mean")
-    best = {}
-
-    def evaluate_and_keep_best(step: int) -> dict:
-        eval_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
-        log.write_eval(step, eval_metrics)
-        logger.info(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-        value = eval_metrics[f"eval_{args.metric_for_best_model}"]
-        sign = -1 if args.metric_for_best_model == "loss" else 1  # lower loss is better
-        if not best or sign * value > sign * best["value"]:
-            best.update(value=value, step=step, metrics=eval_metrics)
-            if args.load_best_model_at_end:
-                export_model(accelerator, model, tokenizer, args.output_dir)
-        return eval_metrics
-
     # ---- training loop ----------------------------------------------------------------------------------------------
-    last_log, train_start = {}, time.perf_counter()
-    progress_bar = tqdm(total=total_steps, initial=progress.step, desc="train",
-                        disable=not accelerator.is_local_main_process)
+    log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
+    best = BestModel(args.metric_for_best_model)
+    train_start = time.perf_counter()
     model.train()
-    start_epoch, skip_steps = divmod(progress.step, steps_per_epoch)
-    for epoch in range(start_epoch, num_epochs):
-        train_dataloader.set_epoch(epoch)  # the same shuffle per epoch, for any process count and after a resume
-        batches = train_dataloader
-        if epoch == start_epoch and skip_steps:  # resume mid-epoch: skip the micro-batches already trained on
-            batches = skip_first_batches(train_dataloader, skip_steps * ga)
-        for window in accumulation_windows(batches, ga):
-            lr = lr_scheduler.get_last_lr()[0]
-            for batch in window:
-                with accelerator.accumulate(model):
-                    loss = model(**batch).loss  # mean over the micro-batch's examples
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    optimizer.step()
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                        lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                log.add(loss / ga, batch)
-            progress.step += 1
-            step = progress.step
-            log.end_step()
-            progress_bar.update(1)
+    for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
+        lr = lr_scheduler.get_last_lr()[0]
+        for batch in window:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss  # mean over the micro-batch's examples
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            log.add(loss / (ga * accelerator.num_processes), batch)  # equal-size micro-batches: the step's mean
+        step = progress.step
+        log.step(step, lr, grad_norm)
 
-            if step % args.logging_steps == 0 or step == total_steps:
-                last_log = log.write_step(step, step / steps_per_epoch, lr, grad_norm)
-                progress_bar.set_postfix(loss=f"{last_log['loss']:.4f}", lr=f"{lr:.2e}",
-                                         pad=f"{last_log['padding_fraction']:.2f}")
-            if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
-                with log.paused():
-                    evaluate_and_keep_best(step)
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                with log.paused():
-                    save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
-            if step >= total_steps:
-                break
-        if progress.step >= total_steps:
-            break
-    progress_bar.close()
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+            with log.paused():
+                metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
+                log.write_eval(step, metrics)
+                if best.update(step, metrics) and args.load_best_model_at_end:
+                    export_model(accelerator, model, tokenizer, args.output_dir)
+        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+            with log.paused():
+                save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+    log.close()
     train_runtime = time.perf_counter() - train_start
 
     # ---- final evaluation and export (the last model, or the best one already exported) ----------------------------
-    last_metrics = evaluate_and_keep_best(progress.step)
-    if not args.load_best_model_at_end:
+    last_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
+    log.write_eval(progress.step, last_metrics)
+    if best.update(progress.step, last_metrics) or not args.load_best_model_at_end:
         export_model(accelerator, model, tokenizer, args.output_dir)
-    exported = best["metrics"] if args.load_best_model_at_end else last_metrics
+    exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else \
+        (progress.step, last_metrics)
     if accelerator.is_main_process:
-        results = {**exported, "exported_step": best["step"] if args.load_best_model_at_end else progress.step,
-                   "train_loss": last_log.get("loss"), "train_steps": progress.step, "train_runtime": train_runtime,
+        results = {**exported, "exported_step": exported_step,
+                   "train_loss": log.last_row.get("loss"), "train_steps": progress.step, "train_runtime": train_runtime,
                    "padding_fraction": log.padding_fraction,
                    "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
                    "per_device_train_batch_size": args.per_device_train_batch_size,
                    "gradient_accumulation_steps": ga, "num_processes": accelerator.num_processes,
                    "peak_memory_bytes": peak_memory_bytes()}
         write_all_results(args.output_dir, results)
-        logger.info(f"Exported model (step {results['exported_step']}): eval_accuracy "
-                    f"{exported['eval_accuracy']:.4f}. Model, tokenizer, metrics.jsonl and all_results.json are in "
-                    f"{args.output_dir}")
+        logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}. Model, "
+                    f"tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+
+
+class BestModel:
+    """The best evaluation so far by `--metric_for_best_model` (lower is better for loss, higher otherwise)."""
+
+    def __init__(self, metric: str) -> None:
+        self.key, self.sign = f"eval_{metric}", -1 if metric == "loss" else 1
+        self.step, self.metrics = None, None
+
+    def update(self, step: int, metrics: dict) -> bool:
+        """True when `metrics` beat the best so far (they then become the best)."""
+        if self.metrics is not None and self.sign * metrics[self.key] <= self.sign * self.metrics[self.key]:
+            return False
+        self.step, self.metrics = step, metrics
+        return True
 
 
 def discover_labels(raw, column: str) -> tuple[list[str], dict]:

@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate import PartialState
-from pretrain_llama import parse_args  # same flags and checks as the job it mirrors
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import default_data_collator, get_scheduler, set_seed
 
+from common.args import parse_pretraining_args  # same flags and checks as the job it mirrors
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
                             write_all_results)
@@ -34,7 +34,7 @@ from common.runtime import use_all_cores
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_pretraining_args(description=__doc__.split("\n")[0])
     config = load_config(args)
     check_block_size(config, args.block_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_script, train_losses
+from conftest import ROOT, read_metrics, run_script, train_losses
 
 
 def pretrain_args(corpus, tmp_path, output: str, *extra: str) -> list[str]:
@@ -111,3 +113,19 @@ def test_moe_preset_trains_in_bf16_and_exports_a_mixtral(corpus, tmp_path):
     assert losses[10] < losses[1] - 0.5
     config = AutoConfig.from_pretrained(tmp_path / "moe")
     assert config.model_type == "mixtral" and config.num_local_experts == 4
+
+
+def test_a_copied_script_runs_from_anywhere_and_trains_the_same(corpus, tmp_path):
+    """The README's way to adapt a script: copy it anywhere, keep the repository on PYTHONPATH. The copy trains the
+    same as the original; with --gradient_checkpointing the export still generates with a KV cache."""
+    copy = tmp_path / "elsewhere" / "my_pretrain.py"
+    copy.parent.mkdir()
+    shutil.copy(os.path.join(ROOT, "scripts", "pretrain_llama.py"), copy)
+    args = pretrain_args(corpus, tmp_path, "copy", "--max_steps", "3", "--gradient_checkpointing")
+    proc = subprocess.run([sys.executable, str(copy), *args], cwd=copy.parent, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "orig", "--max_steps", "3",
+                                                   "--gradient_checkpointing"))
+    assert train_losses(tmp_path / "copy") == train_losses(tmp_path / "orig")
+    assert json.loads((tmp_path / "copy" / "config.json").read_text())["use_cache"] is True

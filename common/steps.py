@@ -1,0 +1,58 @@
+"""The optimizer-step bookkeeping every training loop shares: how many steps, and which micro-batches each one gets.
+
+`optimizer_step_windows` hands the loop one window of `gradient_accumulation_steps` micro-batches per optimizer
+step, from where the run stands (`progress.step`, restored by a resume) to `total_steps`: it reseeds each epoch's
+shuffle (`set_epoch`: the same order for any process count and after a resume), skips the micro-batches a resumed
+run has already trained on (`skip_first_batches`), crosses epoch boundaries, and stops exactly at `total_steps` (also
+when the run resumes from a checkpoint taken at its last step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from accelerate import skip_first_batches
+from torch.utils.data import DataLoader
+
+from common.accumulation import accumulation_windows
+from common.checkpoint import TrainingProgress
+from common.errors import fail
+
+
+def count_optimizer_steps(dataloader: DataLoader, accumulation_steps: int, num_processes: int, max_steps: int,
+                          num_train_epochs: float, unit: str = "examples") -> tuple[int, int]:
+    """(optimizer steps per epoch, optimizer steps in all) for an unprepared dataloader.
+
+    accelerate deals the batches out over the processes, evening out the last ones (or dropping them with
+    `drop_last`); a trailing partial accumulation window is dropped.
+    """
+    batches = len(dataloader)
+    per_process = batches // num_processes if dataloader.drop_last else math.ceil(batches / num_processes)
+    steps_per_epoch = per_process // accumulation_steps
+    if steps_per_epoch == 0:
+        fail(f"{len(dataloader.dataset)} training {unit} are fewer than one optimizer step needs "
+             f"({dataloader.batch_size} x {accumulation_steps} accumulation x {num_processes} processes)")
+    total_steps = max_steps if max_steps > 0 else math.ceil(num_train_epochs * steps_per_epoch)
+    return steps_per_epoch, total_steps
+
+
+def optimizer_step_windows(dataloader, progress: TrainingProgress, steps_per_epoch: int, total_steps: int,
+                           accumulation_steps: int) -> Iterator[list[dict]]:
+    """Yield the micro-batches of each optimizer step from `progress.step` to `total_steps`.
+
+    `progress.step` is advanced as each window is handed out: while the loop works on a window it holds the number of
+    the step that window completes (the step to log and to checkpoint).
+    """
+    while progress.step < total_steps:
+        epoch, done = divmod(progress.step, steps_per_epoch)
+        dataloader.set_epoch(epoch)  # the same shuffle per epoch, for any process count and after a resume
+        batches = skip_first_batches(dataloader, done * accumulation_steps) if done else dataloader
+        for window in accumulation_windows(batches, accumulation_steps):
+            progress.step += 1
+            yield window
+            if progress.step >= total_steps:
+                return
+        if progress.step != (epoch + 1) * steps_per_epoch:  # else the next pass would resume at the same place
+            raise RuntimeError(f"epoch {epoch} ended after optimizer step {progress.step}; "
+                               f"{steps_per_epoch} steps per epoch were expected")
