@@ -88,6 +88,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or `latest` in --output_dir/checkpoints.")
     g.add_argument("--overwrite_output_dir", action="store_true", help="Allow training into a used --output_dir.")
     g.add_argument("--report_to", default="none", choices=("none", "all", "tensorboard", "trackio", "wandb"))
+    g.add_argument("--ddp_timeout", type=float, default=1800,
+                   help="Seconds a collective (all-reduce, barrier, ...) may wait for the other processes before the "
+                        "run fails with a timeout error instead of hanging.")
 
 
 def validate_common(args: argparse.Namespace) -> None:
@@ -114,6 +117,8 @@ def validate_common(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name} must be >= 1 (got {value})")
+    if args.ddp_timeout <= 0:
+        fail(f"--ddp_timeout must be > 0 seconds (got {args.ddp_timeout})")
     if args.learning_rate <= 0:
         fail(f"--learning_rate must be > 0 (got {args.learning_rate})")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:

@@ -91,8 +91,21 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
     # (`get_state_dict` would keep the compiled wrapper's `_orig_mod.` prefix).
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
     state_dict = accelerator.get_state_dict(model) if sharded else None
+    keep_used_weight_conversions(unwrapped)
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
                               save_function=accelerator.save, safe_serialization=True)
     if accelerator.is_main_process and tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
+
+
+def keep_used_weight_conversions(model) -> None:
+    """Let `save_pretrained` undo only the key conversions that loading the model applied.
+
+    transformers (5.23) reverts a model's recorded key conversions when saving. Its ZeRO-3 loading path records every
+    conversion known for the model type, used or not (the other path keeps the used ones), so a ZeRO-3 export of BERT
+    had the legacy names `LayerNorm.gamma/beta` instead of the checkpoint's `LayerNorm.weight/bias`.
+    """
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -91,11 +93,42 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     model.activation_checkpointing_enable({"use_reentrant": False})
 
 
+def full_numel(parameter: torch.Tensor) -> int:
+    """Elements of the whole parameter, also when this process holds only a part of it.
+
+    Under ZeRO-3 (models built inside `deepspeed.zero.Init`) a parameter's tensor is an empty placeholder and its
+    full size is `ds_numel`; an FSDP2 DTensor's `numel()` is already the global size.
+    """
+    return getattr(parameter, "ds_numel", None) or parameter.numel()
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """(trainable, total) parameter counts, of the whole model under ZeRO-3 and FSDP too."""
+    total = sum(full_numel(p) for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return trainable, total
+
+
+@contextmanager
+def outside_zero3() -> Iterator[None]:
+    """transformers works inside as if no ZeRO-3 run were alive: for work done by one process alone.
+
+    While its global DeepSpeed config says stage 3 (accelerate keeps it registered for the whole run), transformers
+    builds every model partitioned inside `deepspeed.zero.Init`, and `generate()` steps in lockstep with the other
+    processes (`synced_gpus`): collectives that processes not doing the same work never join, so the run hangs.
+    accelerate's `zero3_init_context_manager(enable=False)` does not help: in accelerate 1.15 it registers the same
+    stage-3 config again. So the config is unregistered for the block and registered again after it.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref  # what `is_deepspeed_zero3_enabled()` reads
+    config = reference() if reference is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def freeze_parameters(model: PreTrainedModel, embeddings: bool, num_layers: int) -> None:

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
@@ -33,7 +34,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off.
     """
     check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
-    extra = {}
+    extra, backend = {}, None
     if not torch.cuda.is_available():
         use_all_cores()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
@@ -41,9 +42,10 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
             fail("FSDP needs CUDA GPUs (on CPU it would quietly run as plain DDP); use accelerate_configs/cpu_2proc.yaml"
                  " or a DeepSpeed ZeRO config")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-            extra["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            backend = "gloo"
         else:
             extra["cpu"] = True
+    extra["kwargs_handlers"] = [process_group_kwargs(args.ddp_timeout, backend)]
     if getattr(args, "torch_compile", False):
         extra["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     if args.tf32:
@@ -74,6 +76,20 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     set_seed(args.seed)
     logger.info(accelerator.state, main_process_only=True)
     return accelerator
+
+
+def process_group_kwargs(timeout_seconds: float, backend: str | None = None) -> InitProcessGroupKwargs:
+    """Process-group settings under which a collective that cannot complete fails after `timeout_seconds`.
+
+    accelerate hands them to `torch.distributed.init_process_group`, or under DeepSpeed to
+    `deepspeed.init_distributed`. It passes on only the values that differ from `InitProcessGroupKwargs()`'s own
+    defaults (nccl, 600 s), so exactly 600 s would be dropped and torch's default for gloo (30 min) used: one
+    microsecond more keeps it.
+    """
+    timeout = timedelta(seconds=timeout_seconds)
+    if timeout == InitProcessGroupKwargs().timeout:
+        timeout += timedelta(microseconds=1)
+    return InitProcessGroupKwargs(timeout=timeout, **({"backend": backend} if backend else {}))
 
 
 def init_trackers(accelerator: Accelerator, args: argparse.Namespace, project: str) -> None:

@@ -30,7 +30,8 @@ from common.checkpoint import export_model, resume, save_checkpoint, track_progr
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
-from common.modeling import build_causal_lm, check_block_size, count_parameters, load_config
+from common.modeling import (build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
+                             outside_zero3)
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows
@@ -74,7 +75,7 @@ def train(args, config, accelerator) -> None:
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
     model = build_causal_lm(args, config, len(tokenizer))
     trainable, total_params = count_parameters(model)
-    step_flops = flops_per_token(model.config, total_params, model.get_input_embeddings().weight.numel(),
+    step_flops = flops_per_token(model.config, total_params, full_numel(model.get_input_embeddings().weight),
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
@@ -140,9 +141,9 @@ def train(args, config, accelerator) -> None:
 def generate_sample(model_dir: str, prompt: str, max_new_tokens: int) -> str:
     """Reload the exported folder as a user would, and sample from it (proves the export is complete)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    inputs = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
+    with outside_zero3(), torch.no_grad():  # main process only: no partitioned build, no lockstep generation
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        inputs = tokenizer(prompt, return_tensors="pt")
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=50, temperature=0.8,
                              pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0], skip_special_tokens=True)

@@ -16,7 +16,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
+CONFIGS = os.path.join(ROOT, "accelerate_configs")
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 sys.path.insert(0, ROOT)
+# DeepSpeed JIT-builds its C++ ops on first use: a per-user cache lets later runs reuse them.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.path.expanduser("~"), ".cache", "torch_extensions", f"py{sys.version_info[0]}{sys.version_info[1]}_cpu"))
+
+
+def launcher(config: str, num_processes: int = 2) -> list[str]:
+    """`accelerate launch` with a file of accelerate_configs/, on a free port (test runs may overlap)."""
+    return [ACCELERATE, "launch", "--config_file", os.path.join(CONFIGS, config), "--num_processes",
+            str(num_processes), "--main_process_port", "0"]
 
 
 def run_script(script: str, *args: str, launcher: list[str] | None = None, env: dict | None = None,

@@ -39,6 +39,7 @@ def one_line_error(capsys, argv: list[str]) -> str:
     (["--block_size", "4096"], "--block_size 4096 is larger than the model's max_position_embeddings (1024)"),
     (["--mixed_precision", "fp16"], "fp16 mixed precision needs a CUDA GPU"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1"),
+    (["--ddp_timeout", "0"], "--ddp_timeout must be > 0 seconds"),
     (["--resume_from_checkpoint", "/no/such/checkpoint"], "no such folder"),
     (["--model_preset", "tiny", "--config_name", "x"], "give only one of"),
     (["--resume_from_checkpoint", "latest"], "--resume_from_checkpoint latest: no checkpoint under"),

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, read_metrics, run_script, train_losses
+from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses
 from safetensors.torch import load_file
 
 WEIGHT_TOL = 1e-5
@@ -179,6 +179,27 @@ def test_accumulation_processes_and_packing_give_the_same_weights(sft):
     assert all(r["padding_fraction"] == 0.0 for r in packed_rows)
     with open(os.path.join(runs["2 processes x 2 x 2"], "all_results.json")) as f:
         assert json.load(f)["num_processes"] == 2
+
+
+def test_zero3_run_ends_like_the_one_process_run(sft):
+    """ZeRO-3 over 2 processes x 2 x 2 (parameters partitioned) with the default end of run: the same losses, final
+    evaluation and exported weights as one process with 8, and the full parameter counts."""
+    d = sft["dir"]
+    reference = finetune(sft, f"{d}/zero3_reference", "--per_device_train_batch_size", "8")
+    zero3 = finetune(sft, f"{d}/zero3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                     launcher=launcher("deepspeed_zero3.yaml"))
+    results = {}
+    for name, out in (("zero3", zero3), ("reference", reference)):
+        with open(os.path.join(out, "all_results.json")) as f:
+            results[name] = json.load(f)
+    assert results["zero3"]["num_processes"] == 2
+    for key in ("num_parameters", "trainable_parameters", "eval_tokens"):
+        assert results["zero3"][key] == results["reference"][key], key
+    assert results["zero3"]["eval_loss"] == pytest.approx(results["reference"]["eval_loss"], rel=1e-5)
+    assert train_losses(zero3) == pytest.approx(train_losses(reference), abs=1e-5)
+    difference = max_difference(weights(zero3), weights(reference))
+    print(f"ZeRO-3: {results['zero3']['num_parameters']} parameters, max weight difference {difference:.1e}")
+    assert difference < WEIGHT_TOL
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import launcher, read_metrics, run_script
 from safetensors.torch import load_file
 
 POSITIVE = "wonderful delightful excellent brilliant superb charming lovely great enjoyable fantastic".split()
@@ -125,6 +125,25 @@ def test_auto_find_batch_size_halves_batch_and_keeps_effective_batch(tiny, dynam
     assert [row["step"] for row in read_metrics(out) if "loss" in row] == [1, 2, 3, 4, 5, 6]  # failed tries dropped
     assert max_difference(load_file(f"{out}/model.safetensors"),
                           load_file(f"{dynamic_run}/model.safetensors")) < WEIGHT_TOL
+
+
+def test_zero3_run_ends_like_the_one_process_run(tiny, dynamic_run):
+    """ZeRO-3 over 2 processes (2 x 4 examples per step, parameters partitioned) with the default end of run: the
+    same losses, final evaluation and exported weights as one process with 8, and the full parameter counts."""
+    out = f"{tiny['dir']}/zero3"
+    proc = classify(tiny, out, *TINY_TRAINING, "--per_device_train_batch_size", "4",
+                    launcher=launcher("deepspeed_zero3.yaml"))
+    zero3, reference = results(out), results(dynamic_run)
+    assert (zero3["num_processes"], zero3["per_device_train_batch_size"]) == (2, 4)
+    for key in ("num_parameters", "trainable_parameters", "eval_accuracy"):
+        assert zero3[key] == reference[key], key
+    assert f"Model: {reference['num_parameters'] / 1e6:.2f}M parameters" in proc.stderr
+    assert zero3["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    losses = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    assert losses == pytest.approx({r["step"]: r["loss"] for r in read_metrics(dynamic_run) if "loss" in r}, rel=1e-5)
+    difference = max_difference(load_file(f"{out}/model.safetensors"), load_file(f"{dynamic_run}/model.safetensors"))
+    print(f"ZeRO-3: {zero3['num_parameters']} parameters, max weight difference {difference:.1e}")
+    assert difference < WEIGHT_TOL
 
 
 def test_freezing_keeps_weights_bit_identical_and_8bit_adamw_keeps_embeddings_in_32_bits(tiny):
