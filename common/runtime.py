@@ -22,6 +22,7 @@ from accelerate.utils import (
 )
 
 from common.args import fail
+from common.checkpoint import check_resume_process_count
 from common.deepspeed_check import check_deepspeed_config
 
 logger = get_logger(__name__)
@@ -69,6 +70,8 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     )
     if fsdp_on_cpu:
         shard_with_fsdp2_on_cpu(accelerator)
+    # Needs the launch's process count and engine, so it runs here, still before any data or model work.
+    check_resume_process_count(accelerator, getattr(args, "resume_from_checkpoint", None))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     if not accelerator.is_local_main_process:
