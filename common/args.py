@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
@@ -27,6 +31,18 @@ class ArgumentParser(argparse.ArgumentParser):
 def fail(message: str) -> None:
     """Stop with one clear line (exit status 2). For bad input found before training starts."""
     print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def fail_on_every_rank(accelerator: Accelerator, message: str) -> None:
+    """`fail` once the processes have started: every rank stops (status 2), the main process alone prints the line.
+
+    Every rank must call it. The barrier keeps the others alive until the line is out: when one rank exits, the
+    launcher stops the rest, possibly before their print.
+    """
+    if accelerator.is_main_process:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    accelerator.wait_for_everyone()
     raise SystemExit(2)
 
 

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
-from common.args import fail
+from common.args import fail, fail_on_every_rank
 
 logger = get_logger(__name__)
 CHECKPOINT_DIR = "checkpoints"
@@ -87,10 +87,10 @@ def check_resume_process_count(accelerator: Accelerator, checkpoint_dir: str | N
         return
     saved = zero_partition_count(checkpoint_dir)
     if saved is not None and saved != accelerator.num_processes:
-        fail(f"--resume_from_checkpoint {checkpoint_dir} holds DeepSpeed ZeRO states partitioned over {saved} "
-             f"processes but this run has {accelerator.num_processes}, and DeepSpeed cannot re-partition them: "
-             f"resume with --num_processes {saved}, or train with accelerate_configs/fsdp2.yaml, whose checkpoints "
-             "resume at any process count")
+        fail_on_every_rank(accelerator, f"--resume_from_checkpoint {checkpoint_dir} holds DeepSpeed ZeRO states "
+                           f"partitioned over {saved} processes but this run has {accelerator.num_processes}, and "
+                           f"DeepSpeed cannot re-partition them: resume with --num_processes {saved}, or train with "
+                           "accelerate_configs/fsdp2.yaml, whose checkpoints resume at any process count")
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> None:

@@ -21,7 +21,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.args import fail
+from common.args import fail, fail_on_every_rank
 from common.checkpoint import check_resume_process_count
 from common.deepspeed_check import check_deepspeed_config
 
@@ -106,7 +106,8 @@ def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
         plugin.set_mixed_precision(precision)
     if precision == "fp8" and plugin.cpu_ram_efficient_loading:
         # accelerate refuses this pair on GPUs (its check ran while the state was still MULTI_CPU): same answer here
-        fail("fp8 (torchao) with FSDP2 cannot use cpu_ram_efficient_loading; use accelerate_configs/fsdp2_fp8.yaml")
+        fail_on_every_rank(accelerator, "fp8 (torchao) with FSDP2 cannot use cpu_ram_efficient_loading; use "
+                           "accelerate_configs/fsdp2_fp8.yaml")
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
