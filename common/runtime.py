@@ -97,8 +97,9 @@ def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
     would train alone. torch's `fully_shard` itself works on CPU over gloo, so the state is switched here: an FSDP
     plugin read from the launcher's FSDP_* variables (its no-argument constructor does that), the run's mixed
     precision applied to it, and the distributed type set on both the accelerator's state and the shared
-    PartialState (they are separate singletons, and `prepare`, `save_state` and `get_state_dict` consult both).
-    `prepare` then applies `fully_shard` per wrapped layer class, as on GPUs.
+    PartialState (separate singletons; the dataloader preparation and the collective helpers read the latter), so
+    every part of accelerate sees FSDP. `prepare` then applies `fully_shard` per wrapped layer class, and
+    `save_state` / `get_state_dict` take the FSDP paths, as on GPUs.
     """
     plugin = FullyShardedDataParallelPlugin()
     precision = accelerator.state.mixed_precision

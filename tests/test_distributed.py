@@ -156,8 +156,9 @@ def test_zero_checkpoint_at_another_process_count_fails_in_one_line(corpus, init
     batch), stops with one line before the data and the model are built (DeepSpeed alone raises its exception only
     after them, at load time)."""
     saved = tmp_path / "zero2"
-    run_script("pretrain_llama.py", *train_args(corpus, init_model, saved, 2, "--max_steps", "1",
-                                                "--checkpointing_steps", "1"), launcher=launcher("deepspeed_zero2.yaml"))
+    one_step = ("--max_steps", "1", "--checkpointing_steps", "1")
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, saved, 2, *one_step),
+               launcher=launcher("deepspeed_zero2.yaml"))
     checkpoint = saved / "checkpoints" / "step_1"
     assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]

@@ -86,7 +86,7 @@ def assert_sharded_checkpoint(checkpoint) -> None:
     assert not list(checkpoint.glob("pytorch_model*.bin")) and not list(checkpoint.glob("model*.safetensors"))
 
 
-# ---- pretrain_llama.py ------------------------------------------------------------------------------------------------
+# ---- pretrain_llama.py -------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def fsdp_run(corpus, init_model, tmp_path_factory):
@@ -98,7 +98,8 @@ def fsdp_run(corpus, init_model, tmp_path_factory):
 
 
 def test_two_processes_match_one_and_the_checkpoint_is_sharded(fsdp_run, reference):
-    print(f"fsdp2 2 processes vs 1: {compare_runs(fsdp_run, reference, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
+    report = compare_runs(fsdp_run, reference, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)
+    print(f"fsdp2 2 processes vs 1: {report}")
     assert_sharded_checkpoint(fsdp_run / "checkpoints" / "step_2")
     with open(fsdp_run / "all_results.json") as f:
         assert json.load(f)["num_processes"] == 2
@@ -130,7 +131,7 @@ def test_gradient_checkpointing_and_bf16_run_under_fsdp2(corpus, init_model, ref
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())  # fp32 master weights
 
 
-# ---- finetune_causal_lm.py ------------------------------------------------------------------------------------------
+# ---- finetune_causal_lm.py ---------------------------------------------------------------------------------------
 
 def finetune_args(sft: dict, out, per_device_batch: int, *extra: str) -> list[str]:
     return ["--model_name_or_path", sft["model"], "--train_file", sft["train"], "--validation_file", sft["validation"],
@@ -153,7 +154,7 @@ def test_finetune_two_processes_match_one_and_resume_on_one(sft, tmp_path):  # n
           f"{compare_runs(resumed, two, (3, 4), RESUME_RTOL, GRAD_NORM_RTOL, RESUME_RTOL)}")
 
 
-# ---- fp8 + FSDP2 --------------------------------------------------------------------------------------------------------
+# ---- fp8 + FSDP2 -------------------------------------------------------------------------------------------------
 
 def launched_environment(config: str, *launch_flags: str) -> dict[str, str]:
     """The variables `accelerate launch --config_file <config>` exports to each process (nothing is started)."""
