@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
-from common.errors import fail
+from common.errors import fail, fail_on_every_rank
 
 logger = get_logger(__name__)
 CHECKPOINT_DIR = "checkpoints"
@@ -77,6 +77,37 @@ def resolve_resume_path(output_dir: str, value: str | None) -> str | None:
             fail(f"--resume_from_checkpoint latest: no checkpoint under {os.path.join(output_dir, CHECKPOINT_DIR)}")
         return found[-1]
     return value
+
+
+def zero_partition_count(checkpoint_dir: str) -> int | None:
+    """Processes a DeepSpeed ZeRO checkpoint written by `save_state` was partitioned over (None: not a ZeRO one).
+
+    accelerate saves the engine under the tag `pytorch_model`; each data-parallel rank writes one
+    `zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt` there. Counting names is cheap (no tensor is read).
+    """
+    engine_dir = os.path.join(checkpoint_dir, "pytorch_model")
+    if not os.path.isdir(engine_dir):
+        return None
+    ranks = {m.group(1) for m in (re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt", f)
+                                  for f in os.listdir(engine_dir)) if m}
+    return len(ranks) or None
+
+
+def check_resume_process_count(accelerator: Accelerator, checkpoint_dir: str | None) -> None:
+    """Refuse, in one line and before any heavy work, a ZeRO checkpoint resumed at another process count.
+
+    DeepSpeed cannot re-partition ZeRO optimizer states; it would raise only after the data and the model are built.
+    (Its universal-checkpoint conversion does not fit accelerate's checkpoint layout: not offered here.) FSDP2's
+    sharded checkpoints are torch.distributed.checkpoint folders and load at any process count, so they pass.
+    """
+    if not checkpoint_dir or accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    saved = zero_partition_count(checkpoint_dir)
+    if saved is not None and saved != accelerator.num_processes:
+        fail_on_every_rank(accelerator, f"--resume_from_checkpoint {checkpoint_dir} holds DeepSpeed ZeRO states "
+                           f"partitioned over {saved} processes but this run has {accelerator.num_processes}, and "
+                           f"DeepSpeed cannot re-partition them: resume with --num_processes {saved}, or train with "
+                           "accelerate_configs/fsdp2.yaml, whose checkpoints resume at any process count")
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> None:

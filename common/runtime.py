@@ -9,10 +9,12 @@ import os
 from datetime import timedelta
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     ProjectConfiguration,
@@ -20,8 +22,9 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.errors import fail
+from common.checkpoint import check_resume_process_count
 from common.deepspeed_check import check_deepspeed_config
+from common.errors import fail, fail_on_every_rank
 
 logger = get_logger(__name__)
 
@@ -29,18 +32,20 @@ logger = get_logger(__name__)
 def build_accelerator(args: argparse.Namespace) -> Accelerator:
     """One Accelerator for every launch: plain python, `accelerate launch` (1..N processes), DeepSpeed, FSDP.
 
-    On machines without CUDA two traps are avoided (measured, see README "CPU runs"):
+    On machines without CUDA three traps are avoided (measured, see README "CPU runs"):
     - DDP launched without `cpu=True` starts N *unsynchronised* processes without any error;
-    - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off.
+    - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
+    - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
     """
     check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
     extra, backend = {}, None
+    fsdp_on_cpu = False
     if not torch.cuda.is_available():
         use_all_cores()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-            fail("FSDP needs CUDA GPUs (on CPU it would quietly run as plain DDP); use accelerate_configs/cpu_2proc.yaml"
-                 " or a DeepSpeed ZeRO config")
+        fsdp_on_cpu = launched_with_fsdp()
+        if fsdp_on_cpu and os.environ.get("FSDP_VERSION", "1") != "2":
+            fail("FSDP on CPU needs FSDP2 (fsdp_version: 2, as in accelerate_configs/fsdp2.yaml); FSDP1 needs CUDA")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             backend = "gloo"
         else:
@@ -65,6 +70,10 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs")),
         **extra,
     )
+    if fsdp_on_cpu:
+        shard_with_fsdp2_on_cpu(accelerator)
+    # Needs the launch's process count and engine, so it runs here, still before any data or model work.
+    check_resume_process_count(accelerator, getattr(args, "resume_from_checkpoint", None))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     if not accelerator.is_local_main_process:
@@ -90,6 +99,35 @@ def process_group_kwargs(timeout_seconds: float, backend: str | None = None) -> 
     if timeout == InitProcessGroupKwargs().timeout:
         timeout += timedelta(microseconds=1)
     return InitProcessGroupKwargs(timeout=timeout, **({"backend": backend} if backend else {}))
+
+
+def launched_with_fsdp() -> bool:
+    """`accelerate launch` with an FSDP config (or --use_fsdp) exports ACCELERATE_USE_FSDP=true."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
+    """Make a CPU Accelerator (built with `cpu=True`, so its processes talk over gloo) really use FSDP2.
+
+    accelerate 1.15 drops FSDP when `cpu=True` (the state becomes MULTI_CPU, i.e. DDP); without `cpu=True` each rank
+    would train alone. torch's `fully_shard` itself works on CPU over gloo, so the state is switched here: an FSDP
+    plugin read from the launcher's FSDP_* variables (its no-argument constructor does that), the run's mixed
+    precision applied to it, and the distributed type set on both the accelerator's state and the shared
+    PartialState (separate singletons; the dataloader preparation and the collective helpers read the latter), so
+    every part of accelerate sees FSDP. `prepare` then applies `fully_shard` per wrapped layer class, and
+    `save_state` / `get_state_dict` take the FSDP paths, as on GPUs.
+    """
+    plugin = FullyShardedDataParallelPlugin()
+    precision = accelerator.state.mixed_precision
+    if precision != "no":
+        plugin.set_mixed_precision(precision)
+    if precision == "fp8" and plugin.cpu_ram_efficient_loading:
+        # accelerate refuses this pair on GPUs (its check ran while the state was still MULTI_CPU): same answer here
+        fail_on_every_rank(accelerator, "fp8 (torchao) with FSDP2 cannot use cpu_ram_efficient_loading; use "
+                           "accelerate_configs/fsdp2_fp8.yaml")
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
 
 
 def init_trackers(accelerator: Accelerator, args: argparse.Namespace, project: str) -> None:

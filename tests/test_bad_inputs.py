@@ -70,12 +70,14 @@ def test_too_little_data_is_one_line_too(tmp_path):
                                                     " use more data or a smaller --block_size")
 
 
-def test_fsdp_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_path):
+def test_fsdp1_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_path):
+    """FSDP2 runs on CPU (tests/test_fsdp.py); FSDP1 would quietly become DDP there: one line."""
     from common.runtime import build_accelerator
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
     args = pretrain.parse_args(["--output_dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit) as exc:
         build_accelerator(args)
     assert exc.value.code == 2
-    assert capsys.readouterr().err.strip().startswith("error: FSDP needs CUDA GPUs")
+    assert capsys.readouterr().err.strip().startswith("error: FSDP on CPU needs FSDP2")

@@ -106,6 +106,10 @@ def test_accelerate_yaml_loads(path, monkeypatch):
         assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
         assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
         assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT" and fsdp["fsdp_cpu_ram_efficient_loading"]
+    elif name == "fsdp2_fp8.yaml":  # fsdp2.yaml with torchao fp8, which accelerate refuses with cpu_ram_efficient_loading
+        assert config.distributed_type == DistributedType.FSDP and config.mixed_precision == "fp8"
+        assert config.fp8_config["backend"] == "AO" and config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
     elif name == "fp8.yaml":
         assert config.mixed_precision == "fp8" and config.fp8_config["backend"] == "AO"
     elif name.startswith("cpu_"):

@@ -185,3 +185,27 @@ def test_collective_a_rank_never_joins_fails_after_ddp_timeout(config, tmp_path)
     assert proc.returncode != 0 and waited, proc.stdout[-2000:] + proc.stderr[-3000:]
     print(f"{config}: rank 0 waited {waited.group(1)} s, the launch took {elapsed:.0f} s")
     assert timeout - 1 <= float(waited.group(1)) < timeout + 5
+
+
+def test_zero_checkpoint_at_another_process_count_fails_in_one_line(corpus, init_model, tmp_path):
+    """DeepSpeed cannot re-partition ZeRO states: a ZeRO-2 checkpoint written by 2 processes, resumed on 1 (same global
+    batch), stops with one line before the data and the model are built (DeepSpeed alone raises its exception only
+    after them, at load time)."""
+    saved = tmp_path / "zero2"
+    one_step = ("--max_steps", "1", "--checkpointing_steps", "1")
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, saved, 2, *one_step),
+               launcher=launcher("deepspeed_zero2.yaml"))
+    checkpoint = saved / "checkpoints" / "step_1"
+    assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    resumed = tmp_path / "resumed"
+    proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, resumed, 4, "--resume_from_checkpoint",
+                                                       str(checkpoint)),
+                      launcher=launcher("deepspeed_zero2.yaml", 1), check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --resume_from_checkpoint {checkpoint} holds DeepSpeed ZeRO states partitioned over 2 "
+                      "processes but this run has 1, and DeepSpeed cannot re-partition them: resume with "
+                      "--num_processes 2, or train with accelerate_configs/fsdp2.yaml, whose checkpoints resume at "
+                      "any process count"], proc.stderr[-3000:]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr  # the script's status; the launcher returns 1
+    assert "ZeRORuntimeException" not in proc.stderr and not (resumed / "metrics.jsonl").exists()

@@ -1,0 +1,256 @@
+"""FSDP2 on CPU: `accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 --mixed_precision no`
+really shards (torch's `fully_shard` over gloo) and trains exactly like one process.
+
+Runs start from the saved tiny models of tests/test_distributed.py (pretraining) and tests/test_finetune_causal_lm.py
+(SFT) and train 4 optimizer steps on a global batch of 8 sequences, in fp32: 1 process x 4 x 2 accumulation steps
+(the plain cpu_1proc.yaml reference) or 2 FSDP2 processes x 2 x 2. Properties:
+- 2 processes = 1 process: losses to LOSS_RTOL, exported weights to WEIGHT_RTOL (both measured ~1e-7 / ~4e-6), and
+  the logged gradient norm to GRAD_NORM_RTOL: it is the fp32 norm of sharded gradients, summed in another order;
+- the checkpoint is sharded: each rank writes its own torch.distributed.checkpoint file, about half of the bytes;
+- a resumed run continues the uninterrupted one, on 2 processes and on 1 (same global batch, 2 -> 1): losses and
+  weights to RESUME_RTOL (measured equal, weights ~2e-8);
+- the export is gathered on every rank (accelerate's get_state_dict) and loads with `from_pretrained`;
+- --gradient_checkpointing and --bf16 run under FSDP2 (bf16: losses within BF16_LOSS_RTOL of fp32);
+- fsdp2_fp8.yaml hands accelerate an FSDP2 plugin it accepts next to torchao fp8 (fsdp2.yaml's
+  cpu_ram_efficient_loading is refused there); with torchao installed, it also trains a step with Float8Linear layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import ROOT, run_script
+from test_distributed import (  # noqa: F401 (init_model and reference are fixtures)
+    ACCELERATE,
+    LOSS_RTOL,
+    WEIGHT_RTOL,
+    exported_weights,
+    init_model,
+    reference,
+    train_args,
+    train_rows,
+)
+from test_finetune_causal_lm import sft  # noqa: F401 (fixture)
+
+GRAD_NORM_RTOL = 1e-4  # measured <= 3e-7 here; fp32 rounding of a norm over shards can reach ~6e-5
+RESUME_RTOL = 1e-6
+BF16_LOSS_RTOL = 1e-2  # measured ~7e-4: bf16 rounding, not a bug
+CONFIGS = os.path.join(ROOT, "accelerate_configs")
+
+
+def fsdp_launcher(num_processes: int, config: str = "fsdp2.yaml") -> list[str]:
+    """The command line of the README, plus a free port so that tests never collide."""
+    return [ACCELERATE, "launch", "--config_file", os.path.join(CONFIGS, config), "--num_processes",
+            str(num_processes), "--mixed_precision", "no", "--main_process_port", "0"]
+
+
+def cpu_1proc_launcher() -> list[str]:
+    return [ACCELERATE, "launch", "--config_file", os.path.join(CONFIGS, "cpu_1proc.yaml"), "--main_process_port", "0"]
+
+
+def weight_difference(run_dir, reference_dir) -> float:
+    """Largest per-tensor |a - b| / |b| (Frobenius) between two exports, each loaded with `from_pretrained`."""
+    weights, reference_weights = exported_weights(run_dir), exported_weights(reference_dir)
+    assert weights.keys() == reference_weights.keys()
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    return max((torch.linalg.norm(w - reference_weights[k]) / torch.linalg.norm(reference_weights[k])).item()
+               for k, w in weights.items())
+
+
+def compare_runs(run_dir, reference_dir, steps, loss_rtol: float, grad_norm_rtol: float,
+                 weight_rtol: float) -> str:
+    """Assert the same losses and grad norms at `steps` and the same exported weights; report the differences."""
+    run, ref = train_rows(run_dir), train_rows(reference_dir)
+    assert sorted(run) == list(steps)
+    loss_diff = max(abs(run[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in steps)
+    norm_diff = max(abs(run[s]["grad_norm"] - ref[s]["grad_norm"]) / ref[s]["grad_norm"] for s in steps)
+    weight_diff = weight_difference(run_dir, reference_dir)
+    report = f"loss rel diff {loss_diff:.1e}, grad-norm rel diff {norm_diff:.1e}, weight rel diff {weight_diff:.1e}"
+    assert loss_diff <= loss_rtol and norm_diff <= grad_norm_rtol and weight_diff <= weight_rtol, report
+    return report
+
+
+def assert_sharded_checkpoint(checkpoint) -> None:
+    """Model and optimizer are torch.distributed.checkpoint folders with one file per rank, each about half."""
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        folder = checkpoint / part
+        assert (folder / ".metadata").is_file(), part
+        sizes = {f.name: f.stat().st_size for f in folder.glob("*.distcp")}
+        assert sorted(sizes) == ["__0_0.distcp", "__1_0.distcp"], (part, sizes)  # each rank wrote its own
+        assert all(0.35 < s / sum(sizes.values()) < 0.65 for s in sizes.values()), (part, sizes)  # not replicated
+    assert not list(checkpoint.glob("pytorch_model*.bin")) and not list(checkpoint.glob("model*.safetensors"))
+
+
+# ---- pretrain_llama.py -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp_run(corpus, init_model, tmp_path_factory):
+    """2 FSDP2 processes x 2 sequences x 2 accumulation steps, 4 steps, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("fsdp") / "two_processes"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 2, "--checkpointing_steps", "2"),
+               launcher=fsdp_launcher(2))
+    return out
+
+
+def test_two_processes_match_one_and_the_checkpoint_is_sharded(fsdp_run, reference):
+    report = compare_runs(fsdp_run, reference, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)
+    print(f"fsdp2 2 processes vs 1: {report}")
+    assert_sharded_checkpoint(fsdp_run / "checkpoints" / "step_2")
+    with open(fsdp_run / "all_results.json") as f:
+        assert json.load(f)["num_processes"] == 2
+
+
+@pytest.mark.parametrize("num_processes", [2, 1])
+def test_resume_continues_the_run(num_processes, corpus, init_model, fsdp_run, tmp_path):
+    """From the 2-process step-2 checkpoint, on 2 processes or on 1 (4 sequences per process: same global batch)."""
+    out = tmp_path / f"resumed_on_{num_processes}"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4 // num_processes, "--resume_from_checkpoint",
+                                                str(fsdp_run / "checkpoints" / "step_2")),
+               launcher=fsdp_launcher(num_processes))
+    print(f"resumed on {num_processes} process(es) vs uninterrupted: "
+          f"{compare_runs(out, fsdp_run, (3, 4), RESUME_RTOL, GRAD_NORM_RTOL, RESUME_RTOL)}")
+
+
+def test_gradient_checkpointing_and_bf16_run_under_fsdp2(corpus, init_model, reference, tmp_path):
+    out = tmp_path / "gc_bf16"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 2, "--gradient_checkpointing", "--bf16",
+                                                "--max_steps", "2"), launcher=fsdp_launcher(2))
+    run, ref = train_rows(out), train_rows(reference)
+    assert sorted(run) == [1, 2]
+    for step in (1, 2):
+        assert math.isfinite(run[step]["grad_norm"])
+        assert run[step]["loss"] == pytest.approx(ref[step]["loss"], rel=BF16_LOSS_RTOL)
+    with open(out / "config.json") as f:
+        assert json.load(f)["use_cache"] is False  # gradient checkpointing was switched on
+    weights = exported_weights(out)
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())  # fp32 master weights
+
+
+# ---- finetune_causal_lm.py ---------------------------------------------------------------------------------------
+
+def finetune_args(sft: dict, out, per_device_batch: int, *extra: str) -> list[str]:
+    return ["--model_name_or_path", sft["model"], "--train_file", sft["train"], "--validation_file", sft["validation"],
+            "--output_dir", str(out), "--max_steps", "4", "--learning_rate", "1e-3", "--logging_steps", "1",
+            "--seed", "0", "--mixed_precision", "no", "--max_grad_norm", "0", "--gradient_accumulation_steps", "2",
+            "--per_device_train_batch_size", str(per_device_batch), *extra]
+
+
+def test_finetune_two_processes_match_one_and_resume_on_one(sft, tmp_path):  # noqa: F811 (sft is a fixture)
+    reference_dir, two, resumed = tmp_path / "one_process", tmp_path / "two_processes", tmp_path / "resumed_on_1"
+    run_script("finetune_causal_lm.py", *finetune_args(sft, reference_dir, 4), launcher=cpu_1proc_launcher())
+    run_script("finetune_causal_lm.py", *finetune_args(sft, two, 2, "--checkpointing_steps", "2"),
+               launcher=fsdp_launcher(2))
+    print(f"sft fsdp2 2 processes vs 1: "
+          f"{compare_runs(two, reference_dir, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
+    assert_sharded_checkpoint(two / "checkpoints" / "step_2")
+    run_script("finetune_causal_lm.py", *finetune_args(sft, resumed, 4, "--resume_from_checkpoint",
+                                                       str(two / "checkpoints" / "step_2")), launcher=fsdp_launcher(1))
+    print(f"sft resumed on 1 process vs uninterrupted: "
+          f"{compare_runs(resumed, two, (3, 4), RESUME_RTOL, GRAD_NORM_RTOL, RESUME_RTOL)}")
+
+
+# ---- fp8 + FSDP2 -------------------------------------------------------------------------------------------------
+
+def launched_environment(config: str, *launch_flags: str) -> dict[str, str]:
+    """The variables `accelerate launch --config_file <config>` exports to each process (nothing is started)."""
+    import accelerate.utils.launch as launch_utils
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--config_file", os.path.join(CONFIGS, config), *launch_flags,
+                                               "script.py"])
+    args, _, _ = _validate_launch_command(args)
+    available = launch_utils.is_fp8_available
+    launch_utils.is_fp8_available = lambda: True  # the launcher only checks that torchao is importable
+    try:
+        env = launch_utils.prepare_multi_gpu_env(args)
+    finally:
+        launch_utils.is_fp8_available = available
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+def fsdp_plugin_from_environment(env: dict[str, str], monkeypatch):
+    """The FSDP plugin accelerate (and common.runtime on CPU) builds from those variables in each process."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return FullyShardedDataParallelPlugin()
+
+
+def test_fsdp2_fp8_config_is_one_accelerate_accepts(monkeypatch):
+    """accelerate refuses torchao fp8 with FSDP2 when cpu_ram_efficient_loading is on (fsdp2.yaml); fsdp2_fp8.yaml
+    turns it off and keeps the rest of fsdp2.yaml."""
+    env = launched_environment("fsdp2_fp8.yaml")
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "fp8"
+    # read by accelerate's AORecipeKwargs (which imports torchao, so it is not built here)
+    assert env["ACCELERATE_FP8_BACKEND"] == "AO" and env["ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"] == "True"
+    assert env["ACCELERATE_FP8_PAD_INNER_DIM"] == "True"
+    plugin = fsdp_plugin_from_environment(env, monkeypatch)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.cpu_ram_efficient_loading is False  # what accelerate's torchao + FSDP2 check requires
+    plain_fsdp2 = fsdp_plugin_from_environment(launched_environment("fsdp2.yaml", "--mixed_precision", "fp8"),
+                                               monkeypatch)
+    assert plain_fsdp2.cpu_ram_efficient_loading is True  # the combination accelerate refuses
+
+
+FP8_PROBE = """
+import importlib.util, json, sys
+root, init_model, output_dir = sys.argv[1:4]
+sys.path.insert(0, root)
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+from common.runtime import build_accelerator, finish
+spec = importlib.util.spec_from_file_location("pretrain_llama", f"{root}/scripts/pretrain_llama.py")
+pretrain = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pretrain)
+accelerator = build_accelerator(pretrain.parse_args(["--output_dir", output_dir]))
+model = AutoModelForCausalLM.from_pretrained(init_model, dtype=torch.float32)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+kinds = [type(m).__name__ for m in model.modules()]
+ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+losses = []
+for _ in range(2):
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+if accelerator.is_main_process:
+    print("PROBE " + json.dumps({"type": str(accelerator.distributed_type), "precision": accelerator.mixed_precision,
+                                 "float8_layers": kinds.count("Float8Linear"), "losses": losses,
+                                 "sharded": all(isinstance(p, DTensor) for p in model.parameters())}))
+del model, optimizer
+finish(accelerator)
+"""
+
+
+def test_fsdp2_fp8_trains_two_steps_with_torchao(init_model, tmp_path):
+    """With torchao installed (it is not in requirements.txt), fsdp2_fp8.yaml on 2 CPU processes gives the FSDP2
+    state, sharded DTensor parameters and Float8Linear layers, and takes two optimizer steps with finite losses."""
+    pytest.importorskip("torchao")
+    (tmp_path / "probe.py").write_text(FP8_PROBE)
+    launcher = [ACCELERATE, "launch", "--config_file", os.path.join(CONFIGS, "fsdp2_fp8.yaml"), "--num_processes",
+                "2", "--main_process_port", "0"]
+    proc = subprocess.run([*launcher, str(tmp_path / "probe.py"), ROOT, init_model, str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    probe = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))[6:])
+    print(f"fsdp2_fp8.yaml, 2 processes: {probe}")
+    assert probe["type"] == "DistributedType.FSDP" and probe["precision"] == "fp8" and probe["sharded"]
+    assert probe["float8_layers"] > 0 and all(math.isfinite(x) for x in probe["losses"])
+    # fsdp2.yaml (cpu_ram_efficient_loading on) with fp8: one line, as accelerate answers on GPUs
+    proc = subprocess.run([*launcher[:3], os.path.join(CONFIGS, "fsdp2.yaml"), *launcher[4:], "--mixed_precision",
+                           "fp8", str(tmp_path / "probe.py"), ROOT, init_model, str(tmp_path / "out2")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: fp8 (torchao) with FSDP2 cannot use cpu_ram_efficient_loading; use "
+                      "accelerate_configs/fsdp2_fp8.yaml"], proc.stderr[-4000:]  # one line, from the main process
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
