@@ -26,6 +26,7 @@ import math
 import os
 import queue
 import random
+import shlex
 import shutil
 import sys
 import tarfile
@@ -37,7 +38,9 @@ from typing import Callable
 if "--dry-run" in sys.argv:  # the CPU plumbing check stays on the CPU even where a GPU is present
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, ROOT)  # after scripts/ (sys.path[0]), so `benchmark` is scripts/benchmark.py
+for path in (ROOT, os.path.join(ROOT, "scripts")):  # scripts/ first: `benchmark` is scripts/benchmark.py
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 import torch
 
@@ -114,7 +117,7 @@ class Run:
         return [r["loss"] for r in self.metrics if "loss" in r and "eval_loss" not in r]
 
 
-# ---- checks -----------------------------------------------------------------------------------------------------------
+# ---- checks ----------------------------------------------------------------------------------------------------------
 
 def loss_problems(run: Run, steps: int, falling: bool = True) -> list[str]:
     """Every step logged, every loss finite, and (when asked) the last loss below the first."""
@@ -168,7 +171,7 @@ def weight_distance(a: str, b: str) -> float:
     return math.sqrt(diff / sum(float(v.double().pow(2).sum()) for v in wa.values()))
 
 
-# ---- the suite: data, runs, rows --------------------------------------------------------------------------------------
+# ---- the suite: data, runs, rows -------------------------------------------------------------------------------------
 
 class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -258,7 +261,8 @@ def prepare_data(suite: Suite) -> None:
     d = os.path.join(suite.work, "data")
     os.makedirs(d, exist_ok=True)
     rng = random.Random(0)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) for _ in range(suite.settings.corpus_rows)]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120)))
+             for _ in range(suite.settings.corpus_rows)]
     cut = len(texts) * 9 // 10
     for split, part in (("train", texts[:cut]), ("validation", texts[cut:])):
         suite.data[split] = write_jsonl(os.path.join(d, f"{split}.jsonl"), [{"text": t} for t in part])
@@ -334,7 +338,7 @@ def minilm_path() -> str | None:
     return path if os.path.isdir(path) else None
 
 
-# ---- part 1: correctness rows ------------------------------------------------------------------------------------------
+# ---- part 1: correctness rows ----------------------------------------------------------------------------------------
 
 def pretrain_row(name: str, what: str, flags: list[str], config: str | None = None, cuda_only: str | None = None,
                  needs: tuple[str, ...] = ()) -> Row:
@@ -352,7 +356,8 @@ def check_bf16(suite: Suite) -> Outcome:
     run = suite.reference_run()
     if run.error:
         return Outcome(FAIL, run.error)
-    return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out), loss_figure(run) + "; export loads")
+    return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
+                   loss_figure(run) + "; export loads")
 
 
 def check_fp16(suite: Suite) -> Outcome:
@@ -462,7 +467,8 @@ def part1_rows() -> list[Row]:
         pretrain_row("paged_adamw_8bit", "--optim paged_adamw_8bit (non-paged fallback on a CPU), bf16",
                      ["--bf16", "--optim", "paged_adamw_8bit"], needs=bnb),
         pretrain_row("adafactor", "--optim adafactor, bf16", ["--bf16", "--optim", "adafactor"]),
-        pretrain_row("gradient_checkpointing", "--gradient_checkpointing, bf16", ["--bf16", "--gradient_checkpointing"]),
+        pretrain_row("gradient_checkpointing", "--gradient_checkpointing, bf16",
+                     ["--bf16", "--gradient_checkpointing"]),
         pretrain_row("moe", "--model_preset moe-tiny (Mixtral-style top-2 of 4 experts), bf16",
                      ["--bf16", "--model_preset", "moe-tiny"]),
         Row("accumulation", 1, "2 x 4 accumulation = 8 x 1 within bf16 tolerance (losses and weights)",
@@ -483,7 +489,7 @@ def part1_rows() -> list[Row]:
     return rows
 
 
-# ---- part 2: the performance table, through scripts/benchmark.py ------------------------------------------------------
+# ---- part 2: the performance table, through scripts/benchmark.py -----------------------------------------------------
 
 # suite row -> benchmark method; plain_pytorch mirrors bf16_compile (--plain_reference), the MFU goal reads it.
 PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile",
@@ -570,6 +576,7 @@ def run_benchmark(suite: Suite) -> dict:
         return {"rows": {}, "failed": {m: f"benchmark.py refused its arguments (exit {e.code})" for m in methods}}
     os.makedirs(args.output_dir, exist_ok=True)
     env = benchmark.environment(argv)
+    env["command"] = "python scripts/benchmark.py " + shlex.join(argv)  # what this run is equivalent to
     usable = os.sched_getaffinity(0)
     if not suite.cuda:  # on a CPU its runs inherit one core (steadier figures: README, Benchmarks)
         os.sched_setaffinity(0, {min(usable)})
@@ -583,8 +590,8 @@ def run_benchmark(suite: Suite) -> dict:
     rows = benchmark.summarise(args, runs, env)
     md = os.path.join(args.output_dir, "results.md")
     benchmark.write_markdown(md, rows, env, skipped, failed, args)
-    with open(md, encoding="utf-8") as f:
-        markdown = f.read()
+    with open(md, encoding="utf-8") as f:  # its title one level under the suite's section
+        markdown = f.read().replace("# Benchmark:", "### Benchmark:", 1)
     return {"rows": {r["method"]: r for r in rows}, "failed": failed, "markdown": markdown}
 
 
@@ -663,7 +670,7 @@ def part2_rows() -> list[Row]:
     ]
 
 
-# ---- running the rows ---------------------------------------------------------------------------------------------------
+# ---- running the rows ------------------------------------------------------------------------------------------------
 
 def selected(name: str, only: list[str], skip: list[str]) -> bool:
     return (not only or any(fnmatch.fnmatch(name, p) for p in only)) and not any(fnmatch.fnmatch(name, p) for p in skip)
@@ -738,7 +745,7 @@ def run_rows(suite: Suite, rows: list[Row]) -> list[dict]:
             for row in rows]
 
 
-# ---- results ------------------------------------------------------------------------------------------------------------
+# ---- results ---------------------------------------------------------------------------------------------------------
 
 def summary_table(results: list[dict], title: str, footer: str) -> list[str]:
     lines = [title, "", "| row | status | figure |", "|---|---|---|"]
@@ -761,7 +768,8 @@ def write_results(suite: Suite, results: list[dict], env: dict, seconds: float) 
                                                  "result)" if args.dry_run else f" — {env['machine']['gpu']}"))
     m = env["machine"]
     md = [title, "", f"- Date: {env['date']}; commit {env['git_commit']}; {seconds:.0f} s",
-          f"- Machine: {m['cpu']}, {m['cpu_cores']} cores, {m['memory_gib']} GiB RAM, GPU {m['gpu']} (CUDA {m['cuda']})",
+          f"- Machine: {m['cpu']}, {m['cpu_cores']} cores, {m['memory_gib']} GiB RAM, "
+          + (f"GPU {m['gpu']} (CUDA {m['cuda']})" if m["gpu"] else "no GPU"),
           "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
           f"- Command: `{env['command']}`", f"- Settings: {json.dumps(vars(suite.settings))}", ""]
     md += summary_table(results, "## Summary", "")[2:]
@@ -796,11 +804,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, help="Part-1 rows at a time (default: 4 on a GPU, 1 on a CPU).")
     parser.add_argument("--budget_s", type=float, help="Start no row after this many seconds and stop runs then "
                         "(default: 540 per GPU part, so that a part fits one 10-minute device command; none on a CPU).")
-    parser.add_argument("--row_timeout_s", type=float, default=None, help="Per run (default 300 on a GPU, 900 on a CPU).")
+    parser.add_argument("--row_timeout_s", type=float, help="Per run (default 300 on a GPU, 900 on a CPU).")
     parser.add_argument("--prefork", choices=("auto", "yes", "no"), default="auto",
                         help="Fork runs from a server that imported the training stack once (auto: on CPUs only).")
     parser.add_argument("--work_dir", default=os.path.join(ROOT, "outputs", "gpu-suite-work"))
-    parser.add_argument("--results_dir", help="Default: docs/results on a GPU; outputs/gpu-suite-dry-run for a dry run.")
+    parser.add_argument("--results_dir", help="Default: docs/results on a GPU, outputs/gpu-suite-dry-run in a dry run.")
     parser.add_argument("--list", action="store_true", help="Print the rows and exit.")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -831,18 +839,23 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing comes from the hub; the GPU machine has no network anyway
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    suite = Suite(args)
-    if not suite.cuda:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the scripts set it; DeepSpeed would guess otherwise
         torch.set_num_threads(1)  # the suite's own checks; the cores are the runs'
+    suite = Suite(args)
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(suite.work, "hf_datasets"))
     os.makedirs(suite.work, exist_ok=True)
     suite.runner.start()
     env = benchmark.environment(sys.argv[1:])
-    env["command"] = env["command"].replace("scripts/gpu_suite.py", "scripts/gpu_suite.sh", 1)
-    results = run_rows(suite, rows)
+    env["command"] = "bash scripts/gpu_suite.sh " + shlex.join(sys.argv[1:])
+    try:
+        results = run_rows(suite, rows)
+    finally:
+        suite.runner.close()
     seconds = time.monotonic() - began
     paths = write_results(suite, results, env, seconds)
-    where = "a CPU, dry run: CUDA-only rows SKIP, nothing here is a GPU result" if args.dry_run else env["machine"]["gpu"]
+    where = env["machine"]["gpu"] if not args.dry_run else \
+        "a CPU, dry run: CUDA-only rows SKIP, nothing here is a GPU result"
     print("\n[gpu-suite] results: " + ", ".join(paths), flush=True)
     print("\n".join(summary_table(results, f"\nGPU suite part {args.part} on {where}", f"{seconds:.0f} s")),
           flush=True)

@@ -17,8 +17,11 @@ import signal
 import subprocess
 import sys
 
-# Imported once in the fork server: the scripts' own module-level imports (their mains are guarded).
-PRELOAD = ["pretrain_llama", "finetune_causal_lm", "finetune_classifier"]
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(SCRIPTS)
+# Imported once in the fork server: the scripts' own module-level imports (their mains are guarded), and the suite's
+# (each fork re-runs the parent's main module first, multiprocessing's "prepare": cheap once its imports are there).
+PRELOAD = ["pretrain_llama", "finetune_causal_lm", "finetune_classifier", "gpu_suite"]
 
 
 def pin_to(core: int | None) -> None:
@@ -51,14 +54,36 @@ class Runner:
         self.context = None
         if prefork:
             self.context = multiprocessing.get_context("forkserver")
-            self.context.set_forkserver_preload(PRELOAD)
+            # deepspeed (imported by accelerate's unwrap_model, ~1 s a run) only where it cannot look for a GPU
+            cpu_deepspeed = ["deepspeed"] if os.environ.get("DS_ACCELERATOR") == "cpu" else []
+            self.context.set_forkserver_preload(PRELOAD + cpu_deepspeed)
 
     def start(self) -> None:
-        """Start the fork server now (its imports overlap with the suite's own preparation)."""
+        """Start the fork server (now: its imports overlap with the suite's own preparation; idempotent)."""
+        if self.context is None:
+            return
+        from multiprocessing import forkserver
+
+        # Python 3.11's fork server does not take the parent's sys.path: it finds the scripts through PYTHONPATH,
+        # set for its start only (the suite's subprocesses keep the caller's).
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([SCRIPTS, ROOT] + ([before] if before else []))
+        try:
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+
+    def close(self) -> None:
+        """Stop the fork server and reap it (its runs' CPU time then counts in the suite's own)."""
         if self.context is not None:
             from multiprocessing import forkserver
 
-            forkserver.ensure_running()
+            stop = getattr(forkserver._forkserver, "_stop", None)  # private, but in every Python since 3.8
+            if stop is not None:
+                stop()
 
     def run(self, cmd: list[str], log_path: str, timeout: float, core: int | None = None) -> int | None:
         """`core`: pin the run to that CPU core (None: no pinning)."""
@@ -76,6 +101,7 @@ class Runner:
                 return None
 
     def _run_forked(self, script: str, argv: list[str], log_path: str, timeout: float, core: int | None) -> int | None:
+        self.start()
         process = self.context.Process(target=run_script_in_child, args=(script, argv, log_path, self.cwd, core))
         process.start()
         process.join(max(timeout, 0.1))
