@@ -101,6 +101,7 @@ class Row:
     check: Callable[["Suite"], Outcome]
     cuda_only: str | None = None   # why it needs a CUDA GPU; None: it runs on a CPU too
     needs: tuple[str, ...] = ()    # modules it imports that the GPU machine may lack
+    slow: bool = False             # a build first (compile, CPU Adam): started before the quick rows
 
 
 @dataclass
@@ -137,7 +138,9 @@ _EXPORT_LOCK = threading.Lock()  # transformers' lazy imports are not thread-saf
 def export_problems(out: str, head: str = "causal_lm") -> list[str]:
     """The exported folder loads as a user would load it, with every weight, and gives finite logits."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # the suite's output is its progress lines and the table
     cls = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
     with _EXPORT_LOCK:
         try:
@@ -341,7 +344,7 @@ def minilm_path() -> str | None:
 # ---- part 1: correctness rows ----------------------------------------------------------------------------------------
 
 def pretrain_row(name: str, what: str, flags: list[str], config: str | None = None, cuda_only: str | None = None,
-                 needs: tuple[str, ...] = ()) -> Row:
+                 needs: tuple[str, ...] = (), slow: bool = False) -> Row:
     """A pretraining run with `flags` (under an accelerate config when given): loss finite and falling, export loads."""
     def check(suite: Suite) -> Outcome:
         run = suite.train(name, PRETRAIN, suite.pretrain_args() + flags, config)
@@ -349,7 +352,7 @@ def pretrain_row(name: str, what: str, flags: list[str], config: str | None = No
             return Outcome(FAIL, run.error)
         return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
                        loss_figure(run) + "; export loads")
-    return Row(name, 1, what, check, cuda_only, needs)
+    return Row(name, 1, what, check, cuda_only, needs, slow)
 
 
 def check_bf16(suite: Suite) -> Outcome:
@@ -460,7 +463,7 @@ def part1_rows() -> list[Row]:
                      cuda_only="TF32 needs an NVIDIA GPU (Ampere or newer)"),
         Row("eager", 1, "eager attention; first loss equals SDPA's", check_eager),
         pretrain_row("compile", "--torch_compile (inductor), bf16; the export has no _orig_mod. keys",
-                     ["--bf16", "--torch_compile"]),
+                     ["--bf16", "--torch_compile"], slow=True),
         pretrain_row("fused_adamw", "--optim adamw_torch_fused, bf16", ["--bf16", "--optim", "adamw_torch_fused"]),
         pretrain_row("adamw_8bit", "--optim adamw_8bit (bitsandbytes), bf16", ["--bf16", "--optim", "adamw_8bit"],
                      needs=bnb),
@@ -476,12 +479,12 @@ def part1_rows() -> list[Row]:
     ]
     for stage in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"):
         rows.append(pretrain_row(stage, f"DeepSpeed {stage.replace('_', ' + ')} ({one_gpu}), bf16, export gathered",
-                                 ["--bf16"], config=f"deepspeed_{stage}.yaml", needs=ds))
+                                 ["--bf16"], config=f"deepspeed_{stage}.yaml", needs=ds, slow="offload" in stage))
     rows += [
         pretrain_row("fsdp2", "FSDP2 full shard on one GPU (fsdp2.yaml, bf16), export gathered", [],
                      config="fsdp2.yaml", cuda_only="accelerate has no CPU FSDP (the scripts refuse it)"),
         pretrain_row("fp8", "FP8 matmuls through torchao (fp8.yaml)", [], config="fp8.yaml", needs=("torchao",),
-                     cuda_only="FP8 matmuls need an NVIDIA GPU of compute capability 8.9+ (H100/H200)"),
+                     cuda_only="FP8 matmuls need an NVIDIA GPU of compute capability 8.9+ (H100/H200)", slow=True),
         Row("sft", 1, "scripts/finetune_causal_lm.py: prompt/completion SFT of a tiny Llama, bf16", check_sft),
         Row("classifier", 1, "scripts/finetune_classifier.py: the packaged MiniLM reaches >= 90 % accuracy",
             check_classifier),
@@ -732,7 +735,7 @@ def run_rows(suite: Suite, rows: list[Row]) -> list[dict]:
     first = [row for row in runnable if row.name == "bf16"]
     for row in first:  # trains and caches the tokenizer and the tokenized corpus the other runs reuse
         outcomes[row.name] = timed(row)
-    parallel = [row for row in runnable if row.part == 1 and row not in first]
+    parallel = sorted((row for row in runnable if row.part == 1 and row not in first), key=lambda row: not row.slow)
     with concurrent.futures.ThreadPoolExecutor(max_workers=suite.args.jobs) as pool:
         for row, outcome in zip(parallel, pool.map(timed, parallel)):
             outcomes[row.name] = outcome
