@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import fnmatch
 import importlib.util
 import json
