@@ -23,10 +23,12 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import textwrap
+import time
 from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +45,9 @@ RUN_FLAGS = ("--output_dir", "--max_steps", "--logging_steps", "--eval_steps", "
 VERSIONS = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "bitsandbytes")
 
 
-def parse_args(argv: list[str] | None = None):
+def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | None = None):
+    """The benchmark's flags. `extra_methods` adds rows to the method table (same shape as `method_table`'s), for
+    callers such as scripts/gpu_suite.py that time their own combinations with this machinery."""
     argv = sys.argv[1:] if argv is None else argv
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--warm_steps", type=int, help="Untimed optimizer steps first (compile, caches). Default 3/5.")
     parser.add_argument("--timed_steps", type=int, help="Timed optimizer steps. Default: 10 (--quick), 20.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
+    parser.add_argument("--time_budget_s", type=float, help="Start no run after this many seconds; a run still going "
+                        "then is stopped. Both are reported as failed. Default: no limit.")
     parser.add_argument("--output_dir", default="outputs/benchmark")
     args = parser.parse_args(argv)
     args.script_args = script_args
@@ -85,7 +91,7 @@ def parse_args(argv: list[str] | None = None):
             fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
     if args.timed_steps < 2:
         fail(f"--timed_steps must be >= 2 for a spread (got {args.timed_steps})")
-    args.table = method_table(args, cuda, pretraining)
+    args.table = {**method_table(args, cuda, pretraining), **(extra_methods or {})}
     wanted = args.methods.split(",") if args.methods else list(args.table)
     unknown = [m for m in wanted if m not in args.table]
     if unknown:
@@ -95,6 +101,7 @@ def parse_args(argv: list[str] | None = None):
         fail(f"--plain_reference {args.plain_reference} is not a single-process method")
     args.methods = ["baseline"] + [m for m in dict.fromkeys(wanted) if m != "baseline"]
     args.output_dir = os.path.abspath(args.output_dir)
+    args.deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
     return args
 
 
@@ -153,7 +160,10 @@ def environment(argv: list[str]) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    try:  # a copied tree (a GPU machine's) may have no git or no .git
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        commit = subprocess.CompletedProcess([], 1, stdout="")
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -191,10 +201,12 @@ def run_once(args, method: str, repeat: int) -> dict:
         cmd += ["--sample_max_new_tokens", "0", "--max_eval_samples", "2"] + \
             (["--max_train_samples", "200"] if args.quick else [])
     cmd += spec["flags"] + args.script_args + ["--output_dir", run_dir]
+    timeout = None if args.deadline is None else args.deadline - time.monotonic()
+    if timeout is not None and timeout <= 0:
+        return {"error": "not started: the --time_budget_s is spent"}
     print(f"[{method} #{repeat + 1}] {shlex.join(cmd)}", flush=True)
     with open(os.path.join(run_dir, "log.txt"), "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                              env={"TOKENIZERS_PARALLELISM": "false", **os.environ})
+        returncode = run_logged(cmd, log, timeout)
     rows = []
     if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -203,10 +215,12 @@ def run_once(args, method: str, repeat: int) -> dict:
         if name not in ("metrics.jsonl", "all_results.json", "log.txt"):
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if proc.returncode != 0 or len(rows) != total or "time" not in rows[-1]:
+    if returncode != 0 or len(rows) != total or "time" not in rows[-1]:
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
-        return {"error": f"exit status {proc.returncode}, {len(rows)}/{total} logged steps with a `time` stamp; log: "
+        status = f"stopped after {timeout:.0f} s (--time_budget_s)" if returncode is None else \
+            f"exit status {returncode}"
+        return {"error": f"{status}, {len(rows)}/{total} logged steps with a `time` stamp; log: "
                          f"{os.path.join(run_dir, 'log.txt')}\n{tail}"}
     timed = rows[args.warm_steps:]
     step_times = [b["time"] - a["time"] for a, b in zip(rows[args.warm_steps - 1:], timed)]
@@ -222,6 +236,22 @@ def run_once(args, method: str, repeat: int) -> dict:
             "mfu": time_weighted("mfu"), "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
             "peak_memory_reserved_bytes": max((r.get("peak_memory_reserved_bytes") or 0) for r in rows) or None,
             "final_loss": rows[-1]["loss"]}
+
+
+def run_logged(cmd: list[str], log, timeout: float | None) -> int | None:
+    """Run `cmd` with its output in `log`; its exit status, or None when it ran past `timeout` and was stopped.
+
+    With a timeout it gets its own process group, so that a launcher's workers (accelerate launch -> the script) stop
+    with it; without one it stays in ours (Ctrl-C reaches it).
+    """
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=timeout is not None,
+                            env={"TOKENIZERS_PARALLELISM": "false", **os.environ})
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
 
 
 def flag_value(cmd: list[str], flag: str, default: int = 1) -> int:

@@ -1,0 +1,112 @@
+"""How scripts/gpu_suite.py starts a training script: a subprocess, or a process forked from a preloaded server.
+
+Importing torch, transformers, datasets and accelerate takes ~6 s of a ~8 s tiny CPU run, so a suite of twenty
+short runs spends most of its time importing. With `prefork`, a multiprocessing fork server imports the scripts'
+modules once and every run is a fork of it that executes the script as `__main__` (runpy), with the same argv,
+working directory and exit status as `python scripts/<script>.py ...`. The server never touches CUDA, but forking
+a process that has loaded CUDA libraries is a risk not worth taking on an untested GPU machine: the suite uses it on
+CPUs only unless told otherwise. Launcher commands (`accelerate launch ...`) always run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(SCRIPTS)
+# Imported once in the fork server: the scripts' own module-level imports (their mains are guarded), and the suite's
+# (each fork re-runs the parent's main module first, multiprocessing's "prepare": cheap once its imports are there).
+PRELOAD = ["pretrain_llama", "finetune_causal_lm", "finetune_classifier", "gpu_suite"]
+
+
+def pin_to(core: int | None) -> None:
+    """Keep this process (and what it starts) on one core: the scripts then use one thread (common.runtime's
+    use_all_cores counts usable cores), and two threads cannot stall each other on a CPU shared with other work."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def run_script_in_child(script: str, argv: list[str], log_path: str, cwd: str, core: int | None) -> None:
+    """The body of a forked run: output to `log_path`, then the script as `__main__` (SystemExit -> exit status)."""
+    pin_to(core)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(cwd)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))  # as `python script.py` would (plain_loop imports pretrain_llama)
+    runpy.run_path(script, run_name="__main__")
+
+
+class Runner:
+    """Runs commands with their output in a log file and a timeout; exit status, or None when stopped at the timeout."""
+
+    def __init__(self, prefork: bool, cwd: str) -> None:
+        self.cwd = cwd
+        self.context = None
+        if prefork:
+            self.context = multiprocessing.get_context("forkserver")
+            # deepspeed (imported by accelerate's unwrap_model, ~1 s a run) only where it cannot look for a GPU
+            cpu_deepspeed = ["deepspeed"] if os.environ.get("DS_ACCELERATOR") == "cpu" else []
+            self.context.set_forkserver_preload(PRELOAD + cpu_deepspeed)
+
+    def start(self) -> None:
+        """Start the fork server (now: its imports overlap with the suite's own preparation; idempotent)."""
+        if self.context is None:
+            return
+        from multiprocessing import forkserver
+
+        # Python 3.11's fork server does not take the parent's sys.path: it finds the scripts through PYTHONPATH,
+        # set for its start only (the suite's subprocesses keep the caller's).
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([SCRIPTS, ROOT] + ([before] if before else []))
+        try:
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+
+    def close(self) -> None:
+        """Stop the fork server and reap it (its runs' CPU time then counts in the suite's own)."""
+        if self.context is not None:
+            from multiprocessing import forkserver
+
+            stop = getattr(forkserver._forkserver, "_stop", None)  # private, but in every Python since 3.8
+            if stop is not None:
+                stop()
+
+    def run(self, cmd: list[str], log_path: str, timeout: float, core: int | None = None) -> int | None:
+        """`core`: pin the run to that CPU core (None: no pinning)."""
+        forkable = self.context is not None and cmd[0] == sys.executable and cmd[1].endswith(".py")
+        if forkable:
+            return self._run_forked(cmd[1], cmd[2:], log_path, timeout, core)
+        with open(log_path, "w", encoding="utf-8") as log:
+            proc = subprocess.Popen(cmd, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=None if core is None else lambda: pin_to(core))
+            try:
+                return proc.wait(timeout=max(timeout, 0.1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the workers it started
+                proc.wait()
+                return None
+
+    def _run_forked(self, script: str, argv: list[str], log_path: str, timeout: float, core: int | None) -> int | None:
+        self.start()
+        process = self.context.Process(target=run_script_in_child, args=(script, argv, log_path, self.cwd, core))
+        process.start()
+        process.join(max(timeout, 0.1))
+        if process.is_alive():
+            process.kill()
+            process.join()
+            return None
+        return process.exitcode

@@ -1,0 +1,129 @@
+"""scripts/gpu_suite.sh --dry-run: the GPU suite's plumbing on a CPU, so that it cannot rot between GPU sessions.
+
+The dry run really runs every selected row that a CPU can run (tiny preset, 3 steps, block 64, a corpus made here)
+and reports every CUDA-only row as SKIP, never as PASS. To stay well under two minutes on a 2-core machine, the test
+leaves out the rows whose cost on a CPU is a one-time build rather than the suite's plumbing: torch.compile (a cold
+inductor build takes minutes on two cores), DeepSpeed's CPU Adam for the offload rows (a C++ build), and the compiled
+performance methods. ZeRO-2 stays in as the accelerate-launch row; tests/test_distributed.py covers ZeRO on CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, SCRIPTS
+
+SKIPPED_HERE = "compile,zero1,zero3,*offload,perf_bf16_compile*,perf_plain_loop"
+CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
+CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
+            "moe", "accumulation", "zero2", "sft", "classifier", "perf_baseline"}
+LOSS = re.compile(r"loss (-?[\d.]+|nan|inf) -> (-?[\d.]+|nan|inf) in (\d+) steps")
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_suite")
+    results_before = sorted(os.listdir(os.path.join(ROOT, "docs", "results")))
+    proc = subprocess.run(
+        ["bash", os.path.join(SCRIPTS, "gpu_suite.sh"), "--dry-run", "--skip", SKIPPED_HERE,
+         "--work_dir", str(d / "work"), "--results_dir", str(d / "results")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(d / "out")})
+    assert sorted(os.listdir(os.path.join(ROOT, "docs", "results"))) == results_before  # never a GPU result
+    return proc, d
+
+
+def table(stdout: str) -> dict[str, tuple[str, str]]:
+    """The summary table at the end of the output: row -> (status, figure); the total row under 'total'."""
+    lines = stdout.rstrip("\n").splitlines()
+    start = max(i for i, line in enumerate(lines) if line == "| row | status | figure |")
+    rows = lines[start + 2:]
+    assert rows and all(line.startswith("| ") and line.endswith(" |") for line in rows), rows
+    return {cells[0]: (cells[1], cells[2]) for cells in (line[2:-2].split(" | ") for line in rows)}
+
+
+def test_exits_zero_with_the_summary_table_last(dry_run):
+    proc, _ = dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table(proc.stdout)
+    assert proc.stdout.rstrip("\n").splitlines()[-1].startswith("| total | ")
+    assert "CUDA-only rows SKIP" in proc.stdout.rstrip("\n").splitlines()[-(len(rows) + 4)]
+    counts = dict(re.findall(r"(\d+) (PASS|FAIL|SKIP)", rows.pop("total")[0]))
+    assert {v: int(k) for k, v in counts.items()} == {
+        s: sum(status == s for status, _ in rows.values()) for s in ("PASS", "FAIL", "SKIP")}
+
+
+def test_cuda_only_rows_are_skipped_never_passed(dry_run):
+    proc, _ = dry_run
+    rows = table(proc.stdout)
+    for name in CUDA_ONLY:
+        status, figure = rows[name]
+        assert status == "SKIP" and figure.startswith("CUDA only: "), (name, status, figure)
+
+
+def test_cpu_rows_really_run_and_pass(dry_run):
+    proc, _ = dry_run
+    rows = table(proc.stdout)
+    for name in CPU_ROWS:
+        status, figure = rows[name]
+        assert status == "PASS", (name, figure)
+        found = LOSS.search(figure)
+        if found:  # training rows: finite, falling (the classifier's only recorded), over the steps asked for
+            first, last, steps = float(found[1]), float(found[2]), int(found[3])
+            assert math.isfinite(first) and math.isfinite(last) and steps in (3, 6)
+            assert name == "classifier" or last < first, (name, figure)
+    assert LOSS.search(rows["bf16"][1])[3] == "3"
+    assert re.match(r"[\d,]+ tok/s", rows["perf_baseline"][1])
+    assert "accuracy" in rows["classifier"][1]
+    deselected = {name for name, (status, figure) in rows.items() if figure == "not selected (--only / --skip)"}
+    assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "perf_bf16_compile",
+                          "perf_bf16_compile_checkpointing", "perf_bf16_compile_8bit", "perf_plain_loop"}
+    assert all(rows[name][0] == "SKIP" for name in deselected)
+
+
+def test_results_files_parse_and_say_dry_run(dry_run):
+    proc, d = dry_run
+    for folder in ("results", "out"):
+        names = sorted(os.listdir(d / folder))
+        stems = {n.split(".")[0] for n in names if n.endswith((".json", ".md"))}
+        assert len(stems) == 1 and next(iter(stems)).startswith("gpu-suite-dry-run-"), names
+    stem = next(iter(stems))
+    record = json.loads((d / "out" / f"{stem}.json").read_text())
+    assert record["dry_run"] is True and record["part"] == "all" and record["device"].startswith("CPU")
+    assert record["environment"]["versions"]["torch"] and record["settings"]["steps"] == 3
+    table_rows = table(proc.stdout)
+    table_rows.pop("total")
+    assert {r["name"]: r["status"] for r in record["rows"]} == {k: v[0] for k, v in table_rows.items()}
+    assert all(r["status"] == "SKIP" for r in record["rows"] if r["cuda_only"])
+    assert [r["method"] for r in record["performance"]] == ["baseline"]
+    md = (d / "out" / f"{stem}.md").read_text()
+    assert "DRY RUN on a CPU" in md and "not a GPU result" in md
+    assert (d / "out" / f"{stem}-logs.tar.gz").stat().st_size > 0
+
+
+def test_largest_preset_per_technique_from_the_estimator():
+    sys.path.insert(0, SCRIPTS)
+    import gpu_suite
+
+    big_host = gpu_suite.largest_fitting_presets(80e9, 1e12, seq=2048, batch=4)
+    assert big_host["AdamW"]["preset"] == "1b" and big_host["8-bit AdamW + checkpointing"]["preset"] == "1b"
+    assert big_host["ZeRO-3 offload + checkpointing"]["preset"] == "8b"  # 18 B/param on the host, ~0 on the GPU
+    small_host = gpu_suite.largest_fitting_presets(80e9, 64e9, seq=2048, batch=4)
+    assert small_host["ZeRO-3 offload + checkpointing"]["preset"] == "1b"
+    assert gpu_suite.largest_fitting_presets(1e9, 1e12, seq=2048, batch=4)["AdamW"] is None
+
+
+def test_a_gpu_part_on_a_cpu_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "gpu_suite.py"), "--part", "1",
+                           "--results_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no CUDA GPU here")
+    assert not os.listdir(tmp_path)
