@@ -92,11 +92,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         if not disk_refuses_writes(exc, partial):
             raise
         shutil.rmtree(partial, ignore_errors=True)
-        previous = complete_checkpoints(output_dir)
-        fail(f"disk full: checkpoint step_{step} could not be written to {root} (filesystem "
-             f"{mount_point(output_dir)}, {shutil.disk_usage(output_dir).free / 2**20:.0f} MiB free after removing the partial save); "
-             f"{previous[-1] + ' is intact' if previous else 'there is no earlier checkpoint'}: free some space, then "
-             "rerun the same command with --resume_from_checkpoint auto")
+        fail(disk_full_message(output_dir, step))
     accelerator.wait_for_everyone()  # every rank has written its part
     if accelerator.is_main_process:
         publish(partial, path, {"step": step, "metrics_rows": count_rows(os.path.join(output_dir, METRICS_FILE))})
@@ -180,6 +176,15 @@ def disk_refuses_writes(exc: BaseException, folder: str) -> bool:
         if os.path.exists(probe):
             os.remove(probe)
     return False
+
+
+def disk_full_message(output_dir: str, step: int) -> str:
+    previous = complete_checkpoints(output_dir)
+    free_mib = shutil.disk_usage(output_dir).free / 2**20
+    return (f"disk full: checkpoint step_{step} could not be written to {os.path.join(output_dir, CHECKPOINT_DIR)} "
+            f"(filesystem {mount_point(output_dir)}, {free_mib:.0f} MiB free after removing the partial save); "
+            f"{previous[-1] + ' is intact' if previous else 'there is no earlier checkpoint'}: free some space, then "
+            "rerun with --resume_from_checkpoint auto")
 
 
 def mount_point(path: str) -> str:
