@@ -257,6 +257,7 @@ def test_one_live_run_per_folder_and_overwrite_starts_over(reference, corpus):
         second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert live.poll() is None  # still running: the refusal was about a live run
         lines = second.stderr.strip().splitlines()
+        print(lines[-1])
         assert second.returncode == 2 and lines[-1].startswith(f"error: --output_dir {out} is in use by a live run "
                                                                f"(pid {live.pid} on ")
         assert "Traceback" not in second.stderr and all(r["time"] > began for r in read_metrics(out))
@@ -281,6 +282,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(reference, corp
                            *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COPY": str(copy)})
     last = proc.stderr.strip().splitlines()[-1]
+    print(last)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last.startswith(f"error: disk full: checkpoint step_4 could not be written to {out}/checkpoints "
                            f"(filesystem {out}, ") and f"{out}/checkpoints/step_2 is intact" in last
