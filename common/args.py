@@ -85,8 +85,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval_steps", type=int, default=None, help="Evaluate every N optimizer steps (and at the end).")
     g.add_argument("--checkpointing_steps", type=int, default=None, help="Save a resumable checkpoint every N steps.")
     g.add_argument("--save_total_limit", type=int, default=2, help="Keep only the newest N checkpoints.")
-    g.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or `latest` in --output_dir/checkpoints.")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="Allow training into a used --output_dir.")
+    g.add_argument("--resume_from_checkpoint",
+                   help="A checkpoint folder; `latest`: the newest complete one in --output_dir/checkpoints (an error "
+                        "if none); `auto`: the same, or start fresh when there is none (one command line for a "
+                        "requeued job).")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="Start over in a used --output_dir: the previous run's checkpoints, metrics and exported "
+                        "model are removed.")
     g.add_argument("--report_to", default="none", choices=("none", "all", "tensorboard", "trackio", "wandb"))
     g.add_argument("--ddp_timeout", type=float, default=1800,
                    help="Seconds a collective (all-reduce, barrier, ...) may wait for the other processes before the "
@@ -123,9 +128,13 @@ def validate_common(args: argparse.Namespace) -> None:
         fail(f"--learning_rate must be > 0 (got {args.learning_rate})")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
         fail("set --max_steps > 0 or --num_train_epochs > 0")
-    if args.resume_from_checkpoint and args.resume_from_checkpoint != "latest" \
-            and not os.path.isdir(args.resume_from_checkpoint):
-        fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: no such folder")
+    resume_value = args.resume_from_checkpoint
+    if resume_value and resume_value not in ("latest", "auto") and not os.path.isdir(resume_value):
+        fail(f"--resume_from_checkpoint {resume_value}: no such folder")
+    if args.overwrite_output_dir and resume_value and (resume_value in ("latest", "auto") or os.path.commonpath(
+            [os.path.abspath(resume_value), os.path.abspath(args.output_dir)]) == os.path.abspath(args.output_dir)):
+        fail(f"--overwrite_output_dir removes the previous run's checkpoints; it cannot be combined with "
+             f"--resume_from_checkpoint {resume_value}")
     used = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
     if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
         fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"

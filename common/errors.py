@@ -8,9 +8,16 @@ from typing import TYPE_CHECKING, NoReturn
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+from tqdm import tqdm
+
 
 def fail(message: str) -> NoReturn:
-    """Stop with one clear line on stderr (`error: ...`) and exit status 2."""
+    """Stop with one clear line on stderr (`error: ...`) and exit status 2.
+
+    Open progress bars are closed first: otherwise they redraw at exit, after the error line.
+    """
+    for bar in list(tqdm._instances):
+        bar.close()
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 

@@ -14,6 +14,8 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
+from common.checkpoint import LEFTOVER_PREFIX, METRICS_FILE, metrics_rows_at
+
 logger = get_logger(__name__)
 
 # Dense bf16 peak of one GPU (no sparsity), by a substring of its name.
@@ -80,14 +82,27 @@ class MetricsWriter:
     """Appends one JSON object per logged step to `<output_dir>/metrics.jsonl` (main process only)."""
 
     def __init__(self, output_dir: str, enabled: bool, resume_step: int = 0) -> None:
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(output_dir, METRICS_FILE)
         self.enabled = enabled
         if enabled and os.path.isfile(self.path):
-            # A resumed run re-logs the steps after its checkpoint: drop those lines so each step appears once.
-            with open(self.path, encoding="utf-8") as f:
-                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            with open(self.path, "w", encoding="utf-8") as f:
-                f.writelines(rows)
+            self.keep_rows_before(resume_step, metrics_rows_at(output_dir, resume_step))
+
+    def keep_rows_before(self, step: int, rows: int | None) -> None:
+        """A resumed run re-logs what came after its checkpoint (a fresh start: everything): keep only the rows written
+        before the checkpoint was saved (the first `rows`, as its marker recorded; else those up to `step`), so each
+        step appears once.
+
+        The file is replaced atomically: a kill here leaves the old file or the new one, never an empty one.
+        """
+        with open(self.path, encoding="utf-8") as f:
+            lines = [line for line in f if line.endswith("\n")][:rows]  # a line cut short by a kill has no newline
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        trimmed = os.path.join(os.path.dirname(self.path), f"{LEFTOVER_PREFIX}{METRICS_FILE}")
+        with open(trimmed, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(trimmed, self.path)
 
     def write(self, record: dict) -> None:
         """`time` (Unix seconds) is added so that step times can be read back whatever a step's token count."""

@@ -43,6 +43,7 @@ from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
 from common.optim import create_optimizer_and_scheduler
+from common.output_dir import claim_output_dir
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows
 
@@ -162,7 +163,7 @@ def build_dataloaders(args, accelerator, tokenizer, data):
 
 
 def train(args, config, accelerator) -> None:
-    os.makedirs(args.output_dir, exist_ok=True)
+    claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     tokenizer, data = load_sft_data(args, accelerator, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)

@@ -39,6 +39,7 @@ from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
                              load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
+from common.output_dir import claim_output_dir
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows
 
@@ -150,7 +151,7 @@ def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
 
 
 def train(args, config, accelerator, progress: TrainingProgress) -> None:
-    os.makedirs(args.output_dir, exist_ok=True)
+    claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     tokenizer, data, label_names, max_length = load_classification_data(args, accelerator, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data, max_length)

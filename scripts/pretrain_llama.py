@@ -33,6 +33,7 @@ from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_al
 from common.modeling import (build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
                              outside_zero3)
 from common.optim import create_optimizer_and_scheduler
+from common.output_dir import claim_output_dir
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows
 
@@ -66,7 +67,7 @@ def load_data(args, accelerator):
 
 
 def train(args, config, accelerator) -> None:
-    os.makedirs(args.output_dir, exist_ok=True)
+    claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,

@@ -1,0 +1,292 @@
+"""Crash safety: checkpoints survive a kill at any moment, one run per output folder, a full disk is one line.
+
+The chaos test SIGKILLs a tiny pretraining run at moments drawn from a fixed seed (one before its first checkpoint,
+several while a checkpoint is being written) and restarts it each time with the same command line
+(`--resume_from_checkpoint auto`) until it completes; it must end exactly like the run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, SCRIPTS, read_metrics
+
+from common.checkpoint import COMPLETE_MARKER, complete_checkpoints, resolve_resume_path, save_checkpoint
+from common.metrics import MetricsWriter
+from common.output_dir import LOCK_FILE, claim_output_dir
+
+STEPS, EVERY = 12, 2
+
+
+def pretrain_command(corpus, cache_dir, output_dir, *extra: str) -> list[str]:
+    return [sys.executable, os.path.join(SCRIPTS, "pretrain_llama.py"), "--train_file", corpus["train"],
+            "--validation_file", corpus["validation"], "--tokenizer_vocab_size", "512", "--block_size", "64",
+            "--cache_dir", str(cache_dir), "--output_dir", str(output_dir), "--logging_steps", "1",
+            "--sample_max_new_tokens", "0", "--mixed_precision", "no", "--max_train_samples", "80",
+            "--max_eval_samples", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", *extra]
+
+
+def chaos_command(corpus, cache_dir, output_dir) -> list[str]:
+    return pretrain_command(corpus, cache_dir, output_dir, "--max_steps", str(STEPS), "--checkpointing_steps",
+                            str(EVERY), "--resume_from_checkpoint", "auto")
+
+
+def start(cmd: list[str], log: str) -> subprocess.Popen:
+    with open(log, "a") as f:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def sigkill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_for(proc: subprocess.Popen, condition, timeout: float = 300) -> bool:
+    """Poll every 5 ms until `condition()` holds (True) or the process ends (False)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if condition():
+            return True
+        assert time.monotonic() < deadline, "the run neither reached the kill moment nor ended"
+        time.sleep(0.005)
+    return False
+
+
+def rows_since(output_dir, since: float) -> list[dict]:
+    try:
+        return [r for r in read_metrics(output_dir) if r["time"] > since]
+    except (OSError, json.JSONDecodeError):  # not there yet, or a row being written
+        return []
+
+
+def leftovers(output_dir) -> list[str]:
+    root = os.path.join(output_dir, "checkpoints")
+    return sorted(n for n in os.listdir(root) if n.startswith(".tmp-")) if os.path.isdir(root) else []
+
+
+def saving_after(output_dir, since: float) -> bool:
+    """A checkpoint is being written after one this attempt published (time `since` on)."""
+    try:
+        published = [int(c.rsplit("_", 1)[1]) for c in complete_checkpoints(str(output_dir))
+                     if os.path.getmtime(os.path.join(c, COMPLETE_MARKER)) > since]
+    except FileNotFoundError:  # pruned meanwhile
+        return False
+    partial = [int(n.rsplit("_", 1)[1]) for n in partial_saves(output_dir)]
+    return bool(published and partial and max(partial) > max(published))
+
+
+def partial_saves(output_dir) -> list[str]:
+    return [n for n in leftovers(output_dir) if re.fullmatch(r"\.tmp-step_\d+", n)]
+
+
+def newest_complete_step(output_dir) -> int:
+    found = complete_checkpoints(str(output_dir))
+    return int(found[-1].rsplit("_", 1)[1]) if found else 0
+
+
+def weights_diff(a, b) -> float:
+    wa, wb = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def train_rows(output_dir) -> list[dict]:
+    return [r for r in read_metrics(output_dir) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The uninterrupted run (it also fills the tokenizer and dataset caches the other runs reuse)."""
+    d = tmp_path_factory.mktemp("crash")
+    proc = subprocess.run(chaos_command(corpus, d / "cache", d / "reference"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d
+
+
+@pytest.fixture(scope="module")
+def chaos(reference, corpus):
+    """Kill the run at the planned moments, restarting it with the same command each time, until it completes."""
+    out, log = reference / "chaos", str(reference / "chaos.log")
+    cmd = chaos_command(corpus, reference / "cache", out)
+    rng = random.Random(9)
+    plan = [("save", rng.uniform(0, 0.02)) for _ in range(3)] + [("time", rng.uniform(0, 2.0))]
+    rng.shuffle(plan)
+    plan.insert(0, ("first row", 0.0))  # dies before its first checkpoint: the restart starts fresh
+    kills = []
+    for kind, delay in plan:
+        began = time.time()
+        proc = start(cmd, log)
+        if kind == "first row":
+            moment = lambda: rows_since(out, began)  # noqa: E731
+        elif kind == "time":
+            moment = lambda: rows_since(out, began) and (time.sleep(delay) or True)  # noqa: E731
+        else:  # while the checkpoint after this attempt's first published one is being written
+            moment = lambda: saving_after(out, began) and (time.sleep(delay) or True)  # noqa: E731
+        if not wait_for(proc, moment):
+            assert proc.returncode == 0, open(log).read()[-3000:]
+            break
+        sigkill(proc)
+        kills.append({"kind": kind, "partial": partial_saves(out), "newest": newest_complete_step(out),
+                      "rows": len(train_rows(out)) if os.path.exists(out / "metrics.jsonl") else 0})
+    else:
+        proc = start(cmd, log)
+        assert proc.wait(timeout=600) == 0, open(log).read()[-3000:]
+    return {"out": out, "kills": kills, "log": log}
+
+
+def test_chaos_kills_end_like_the_uninterrupted_run(chaos, reference):
+    out, kills = chaos["out"], chaos["kills"]
+    print("kills:", kills)
+    assert len(kills) == 5
+    assert kills[0]["newest"] == 0 and kills[0]["rows"] >= 1  # died before any checkpoint, with rows logged
+    during_saves = [k for k in kills if k["partial"]]
+    assert len(during_saves) >= 2  # killed while a checkpoint was half-written
+    ref = reference / "reference"
+    assert weights_diff(out, ref) < 1e-6
+    got, want = train_rows(out), train_rows(ref)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # each step once, the stale rows dropped
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-6)
+    got, want = [r for r in read_metrics(out) if "eval_loss" in r], [r for r in read_metrics(ref) if "eval_loss" in r]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [STEPS]
+    assert got[0]["eval_loss"] == pytest.approx(want[0]["eval_loss"], abs=1e-6)
+    # Only complete checkpoints remain, the newest --save_total_limit (2); the leftovers were cleaned up.
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_10", "step_12"] and not leftovers(out)
+    assert [p for p in os.listdir(out) if p.startswith(".tmp-")] == []
+
+
+@pytest.fixture()
+def accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newest(accelerator, tmp_path):
+    model = torch.nn.Linear(4, 4)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    for step in range(1, 6):
+        save_checkpoint(accelerator, str(tmp_path), step, save_total_limit=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5"]  # pruned after each new one
+    assert all((tmp_path / "checkpoints" / s / COMPLETE_MARKER).is_file() for s in ("step_4", "step_5"))
+    # An interrupted save of step 6 (half a model file) and a step_7 folder without the completion marker.
+    shutil.copytree(tmp_path / "checkpoints" / "step_5", tmp_path / "checkpoints" / ".tmp-step_6")
+    shutil.copytree(tmp_path / "checkpoints" / "step_5", tmp_path / "checkpoints" / "step_7")
+    os.remove(tmp_path / "checkpoints" / "step_7" / COMPLETE_MARKER)
+    with open(tmp_path / "checkpoints" / ".tmp-step_6" / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    for value in ("latest", "auto"):
+        assert resolve_resume_path(str(tmp_path), value) == str(tmp_path / "checkpoints" / "step_5")
+    accelerator.load_state(resolve_resume_path(str(tmp_path), "latest"))  # what it picks loads
+    claim_output_dir(argparse_namespace(tmp_path), accelerator)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5", "step_7"]  # the leftover is gone
+    save_checkpoint(accelerator, str(tmp_path), 8, save_total_limit=2)  # prunes complete ones only
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_5", "step_7", "step_8"]
+
+
+def argparse_namespace(output_dir, overwrite: bool = False):
+    import argparse
+
+    return argparse.Namespace(output_dir=str(output_dir), overwrite_output_dir=overwrite)
+
+
+def test_metrics_trim_keeps_the_rows_before_the_checkpoint_and_is_atomic(tmp_path, monkeypatch):
+    rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "eval_loss": 2.5},
+            {"step": 3, "loss": 1.0}, {"step": 4, "loss": 0.5}, {"step": 4, "eval_loss": 0.7}]
+    original = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "lo'  # the last row cut by a kill
+    (tmp_path / "metrics.jsonl").write_text(original)
+    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
+    # Saved at step 4 (the final step) before its evaluation: 5 rows; the resumed run evaluates step 4 again.
+    (tmp_path / "checkpoints" / "step_4" / COMPLETE_MARKER).write_text('{"step": 4, "metrics_rows": 5}')
+
+    def killed(*args):
+        raise KeyboardInterrupt  # stands for a kill between writing the trimmed copy and replacing the file
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsWriter(str(tmp_path), True, resume_step=4)
+    assert (tmp_path / "metrics.jsonl").read_text() == original  # never emptied
+    monkeypatch.undo()
+    MetricsWriter(str(tmp_path), True, resume_step=4)
+    assert read_metrics(tmp_path) == rows[:5]
+    MetricsWriter(str(tmp_path), True, resume_step=2)  # no marker for step 2: rows up to step 2
+    assert read_metrics(tmp_path) == rows[:3]
+    MetricsWriter(str(tmp_path), True, resume_step=0)  # a fresh start in a folder whose run died early
+    assert read_metrics(tmp_path) == []
+
+
+def lock_is_free(output_dir) -> bool:
+    with open(os.path.join(output_dir, LOCK_FILE), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_one_live_run_per_folder_and_overwrite_starts_over(reference, corpus):
+    """A run with --overwrite_output_dir in a finished run's folder: the old checkpoints, metrics and export are gone
+    before it trains; the same command started beside it is refused with one line; a SIGKILL frees the folder."""
+    out = reference / "overwritten"
+    shutil.copytree(reference / "reference", out)
+    began = time.time()
+    cmd = pretrain_command(corpus, reference / "cache", out, "--max_steps", "100000", "--overwrite_output_dir")
+    live = start(cmd, str(reference / "live.log"))
+    try:
+        assert wait_for(live, lambda: rows_since(out, began)), open(reference / "live.log").read()[-3000:]
+        assert not (out / "checkpoints").exists() and not (out / "model.safetensors").exists()
+        assert not (out / "all_results.json").exists() and all(r["time"] > began for r in read_metrics(out))
+        assert not lock_is_free(out)
+        second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert live.poll() is None  # still running: the refusal was about a live run
+        lines = second.stderr.strip().splitlines()
+        print(lines[-1])
+        assert second.returncode == 2 and lines[-1].startswith(f"error: --output_dir {out} is in use by a live run "
+                                                               f"(pid {live.pid} on ")
+        assert "Traceback" not in second.stderr and all(r["time"] > began for r in read_metrics(out))
+    finally:
+        sigkill(live)
+    assert lock_is_free(out)  # the kernel released the killed run's lock
+    assert resolve_resume_path(str(out), "auto") is None  # nothing of the old run can be resumed
+    with pytest.raises(SystemExit):
+        resolve_resume_path(str(out), "latest")
+
+
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(reference, corpus):
+    """A real full disk: the output folder on a 20 MiB tmpfs (a user + mount namespace). A checkpoint takes 14 MB:
+    step 2 fits, step 4 does not."""
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
+    out, copy = reference / "small_disk", reference / "small_disk_copy"
+    out.mkdir()
+    cmd = pretrain_command(corpus, reference / "cache", out, "--max_steps", "4", "--checkpointing_steps", "2")
+    mount_run_copy = 'mount -t tmpfs -o size=20m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount_run_copy, str(out),
+                           *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COPY": str(copy)})
+    last = proc.stderr.strip().splitlines()[-1]
+    print(last)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith(f"error: disk full: checkpoint step_4 could not be written to {out}/checkpoints "
+                           f"(filesystem {out}, ") and f"{out}/checkpoints/step_2 is intact" in last
+    assert os.listdir(copy / "checkpoints") == ["step_2"]  # the partial save removed, the previous one whole
+    ckpt = copy / "checkpoints" / "step_2"
+    assert json.loads((ckpt / COMPLETE_MARKER).read_text())["step"] == 2
+    assert load_file(ckpt / "model.safetensors").keys() and torch.load(ckpt / "optimizer.bin")["state"]
