@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
+from common.divergence import refuse_nonfinite_weights
 from common.errors import fail
 
 logger = get_logger(__name__)
@@ -58,6 +59,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     Collective under DeepSpeed/FSDP: every process must call it.
     """
     path = os.path.join(output_dir, CHECKPOINT_DIR, f"step_{step}")
+    refuse_nonfinite_weights(accelerator, accelerator._models, f"checkpoint {path}")
     accelerator.save_state(path)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and save_total_limit:
@@ -85,6 +87,7 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
     Called on every process: under ZeRO-3/FSDP, gathering the full state dict is collective. The compiled wrapper is
     dropped so the keys carry no `_orig_mod.` prefix.
     """
+    refuse_nonfinite_weights(accelerator, [model], f"the model to {output_dir}")
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     # Sharded models need the collective gather; elsewhere the unwrapped module's own state dict is complete

@@ -6,6 +6,9 @@ import argparse
 import gc
 import logging
 import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
@@ -19,8 +22,9 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.errors import fail
+from common.errors import StopTraining, fail
 from common.deepspeed_check import check_deepspeed_config
+from common.preemption import stop_when_launcher_dies
 
 logger = get_logger(__name__)
 
@@ -33,6 +37,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off.
     """
     check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
+    stop_when_launcher_dies()  # a launcher killed alone must not leave this process training, orphaned
     extra = {}
     if not torch.cuda.is_available():
         use_all_cores()
@@ -106,3 +111,18 @@ def finish(accelerator: Accelerator) -> None:
     gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+@contextmanager
+def finishing(accelerator: Accelerator) -> Iterator[None]:
+    """Run the training inside; then `finish`, also when it stopped early on purpose (`StopTraining`: a stop signal
+    after its checkpoint, a diverged run), and exit with that stop's status."""
+    status = 0
+    try:
+        yield
+    except StopTraining as stop:
+        status = stop.code
+        traceback.clear_frames(stop.__traceback__)  # the loop's frames hold the model: free it before `finish`
+    finish(accelerator)
+    if status:
+        raise SystemExit(status)
