@@ -204,13 +204,13 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
         step = progress.step
         log.step(step, lr, grad_norm)
 
-        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.paused():
                 metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
                 log.write_eval(step, metrics)
                 if best.update(step, metrics) and args.load_best_model_at_end:
                     export_model(accelerator, model, tokenizer, args.output_dir)
-        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)

@@ -117,11 +117,11 @@ def train(args, config, accelerator) -> None:
         step = progress.step
         log.step(step, lr, grad_norm)
 
-        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.paused():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
-        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
