@@ -195,7 +195,8 @@ class StepLog:
             row["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
         self.writer.write(row)
         acc.log({k: v for k, v in row.items() if v is not None}, step=step)
-        self.bar.set_postfix(loss=f"{math.nan if row['loss'] is None else row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
+        shown_loss = math.nan if row["loss"] is None else row["loss"]
+        self.bar.set_postfix(loss=f"{shown_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
                              pad=f"{row['padding_fraction']:.2f}")
         self.last_row = row
         self._reset()
