@@ -71,6 +71,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam_beta2", type=float, default=0.95)
     g.add_argument("--adam_epsilon", type=float, default=1e-8)
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping (the norm is still logged).")
+    g.add_argument("--max_nonfinite_steps", type=int, default=5,
+                   help="Stop (exit status 3) after this many optimizer steps in a row with a NaN/inf loss or gradient "
+                        "norm (each one's update is skipped).")
     g.add_argument("--optim", default="adamw_torch", choices=OPTIMIZERS)
     g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS)
     g.add_argument("--warmup_steps", type=int, default=None, help="Default: 5%% of the optimizer steps.")
@@ -115,7 +118,7 @@ def validate_common(args: argparse.Namespace) -> None:
     if getattr(args, "dataset_name", None) and getattr(args, "train_file", None):
         fail("give either --dataset_name or --train_file, not both")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "logging_steps"):
+                 "logging_steps", "max_nonfinite_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
     for name in ("eval_steps", "checkpointing_steps", "save_total_limit"):

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
+from common.divergence import refuse_nonfinite_weights
 from common.errors import fail, fail_on_every_rank
 
 logger = get_logger(__name__)
@@ -83,6 +84,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     """
     root = os.path.join(output_dir, CHECKPOINT_DIR)
     path, partial = os.path.join(root, f"step_{step}"), os.path.join(root, f"{LEFTOVER_PREFIX}step_{step}")
+    refuse_nonfinite_weights(accelerator, accelerator._models, f"checkpoint {path}")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -247,6 +249,7 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
     Called on every process: under ZeRO-3/FSDP, gathering the full state dict is collective. The compiled wrapper is
     dropped so the keys carry no `_orig_mod.` prefix.
     """
+    refuse_nonfinite_weights(accelerator, [model], f"the model to {output_dir}")
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     # Sharded models need the collective gather; elsewhere the unwrapped module's own state dict is complete

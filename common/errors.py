@@ -1,14 +1,15 @@
-"""One-line errors for bad input: the only way the scripts and `common/` stop a run on purpose."""
+"""How the scripts and `common/` stop a run on purpose: `fail` for bad input (one line, exit 2), `StopTraining` for a
+run that stops early with its own status (a stop signal after its checkpoint, a diverged run)."""
 
 from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
+from tqdm import tqdm
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-from tqdm import tqdm
 
 
 def fail(message: str) -> NoReturn:
@@ -29,6 +30,13 @@ def fail_on_every_rank(accelerator: Accelerator, message: str) -> NoReturn:
     launcher stops the rest, possibly before their print.
     """
     if accelerator.is_main_process:
+        for bar in list(tqdm._instances):
+            bar.close()
         print(f"error: {message}", file=sys.stderr, flush=True)
     accelerator.wait_for_everyone()
     raise SystemExit(2)
+
+
+class StopTraining(SystemExit):
+    """Raised inside the training loop on every rank at once; `common.runtime.finishing` tears the run down cleanly
+    (trackers, process group) and exits with `code`."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -108,12 +109,23 @@ class MetricsWriter:
         """`time` (Unix seconds) is added so that step times can be read back whatever a step's token count."""
         if self.enabled:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({**record, "time": round(time.time(), 4)}) + "\n")
+                f.write(json.dumps(strict_json({**record, "time": round(time.time(), 4)}), allow_nan=False) + "\n")
 
 
 def write_all_results(output_dir: str, results: dict) -> None:
     with open(os.path.join(output_dir, "all_results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
+        json.dump(strict_json(results), f, indent=2, allow_nan=False)
+
+
+def strict_json(value):
+    """NaN and infinities -> None (JSON null): Python's json would write `NaN`/`Infinity`, which is not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 class StepLog:
@@ -122,9 +134,12 @@ class StepLog:
 
     The contract: for every micro-batch the loop calls `add(loss_share, batch)`, where the shares added for one
     optimizer step on all processes sum to that step's loss (`common/accumulation.py`'s token shares do); after the
-    step it calls `step(...)` once. Figures are summed on the device between logged rows (no host sync per step) and
-    reduced over the processes only every `logging_steps` and at the last step, when a row goes to `metrics.jsonl`
-    (main process) and to accelerate's trackers.
+    step it calls `step(...)` once. The step's loss is reduced over the processes once per step (`step_loss`, which
+    the divergence guard reads before the update); the other figures are summed on the device and reduced only every
+    `logging_steps` and at the last step, when a row goes to `metrics.jsonl` (main process) and to accelerate's
+    trackers. A row's `loss` is the mean over its steps whose loss was finite (null if none was);
+    `skipped_nonfinite_steps` counts its steps whose loss or gradient norm was not (their updates were skipped), so
+    summing it over the rows of `metrics.jsonl` gives the run's total, across resumes too.
     """
 
     def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int,
@@ -137,20 +152,21 @@ class StepLog:
         self.peak_flops = peak_flops_per_device() if flops_per_token else None
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
                         disable=not accelerator.is_local_main_process)
-        self.last_written_step, self.last_row = start_step, {}
+        self.last_row = {}
         self.run_padding = self.run_positions = 0
         self._reset()
 
     def _reset(self) -> None:
         device = self.accelerator.device
-        self.loss = torch.zeros((), device=device)
+        self.window_loss, self.reduced_loss = torch.zeros((), device=device), None
+        self.loss_sum, self.loss_steps, self.skipped = 0.0, 0, 0
         self.padding = torch.zeros((), dtype=torch.long, device=device)
         self.positions = 0
 
     def add(self, loss_share: torch.Tensor, batch: dict) -> None:
         """One micro-batch: its share of the step's loss, and its real and padding positions."""
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        self.loss += loss_share.detach()
+        self.window_loss += loss_share.detach()
         if mask is not None:  # packed batches carry no mask: no padding
             self.padding += ids.numel() - mask.sum()
         self.positions += ids.numel()
@@ -160,9 +176,21 @@ class StepLog:
         """Share of padding positions over the logged rows so far (all processes)."""
         return self.run_padding / max(self.run_positions, 1)
 
+    def step_loss(self) -> float:
+        """This optimizer step's loss over all processes (one all-reduce the first time; call it on every rank)."""
+        if self.reduced_loss is None:
+            self.reduced_loss = self.accelerator.reduce(self.window_loss, "sum").item()
+        return self.reduced_loss
+
     def step(self, step: int, lr: float, grad_norm) -> dict | None:
         """Optimizer step `step` is done: advance the bar; every `logging_steps` and at the end, write a row."""
         self.bar.update(1)
+        loss, norm = self.step_loss(), None if grad_norm is None else float(grad_norm)
+        if math.isfinite(loss):
+            self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
+        if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+            self.skipped += 1  # the divergence guard (or the fp16 loss scaler) skipped its update
+        self.window_loss, self.reduced_loss = torch.zeros_like(self.window_loss), None
         if step % self.logging_steps and step != self.total_steps:
             return None
         acc = self.accelerator
@@ -172,8 +200,8 @@ class StepLog:
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work
         tokens_per_second, _ = self.throughput.report()
         row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4),
-               "loss": acc.reduce(self.loss, "sum").item() / max(step - self.last_written_step, 1),
-               "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+               "loss": self.loss_sum / self.loss_steps if self.loss_steps else None, "lr": lr, "grad_norm": norm,
+               "skipped_nonfinite_steps": self.skipped,
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),
                "peak_memory_bytes": peak_memory_bytes()}
         if self.peak_flops:
@@ -181,10 +209,11 @@ class StepLog:
         if torch.cuda.is_available():  # what the caching allocator holds: the process's real GPU footprint
             row["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
         self.writer.write(row)
-        acc.log(row, step=step)
-        self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
+        acc.log({k: v for k, v in row.items() if v is not None}, step=step)
+        shown_loss = math.nan if row["loss"] is None else row["loss"]
+        self.bar.set_postfix(loss=f"{shown_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
                              pad=f"{row['padding_fraction']:.2f}")
-        self.last_written_step, self.last_row = step, row
+        self.last_row = row
         self._reset()
         return row
 

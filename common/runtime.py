@@ -7,6 +7,9 @@ import gc
 import logging
 import os
 from datetime import timedelta
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -24,7 +27,8 @@ from accelerate.utils import (
 
 from common.checkpoint import check_resume_process_count
 from common.deepspeed_check import check_deepspeed_config
-from common.errors import fail, fail_on_every_rank
+from common.errors import StopTraining, fail, fail_on_every_rank
+from common.preemption import stop_when_launcher_dies
 
 logger = get_logger(__name__)
 
@@ -38,6 +42,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
     """
     check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
+    stop_when_launcher_dies()  # a launcher killed alone must not leave this process training, orphaned
     extra, backend = {}, None
     fsdp_on_cpu = False
     if not torch.cuda.is_available():
@@ -160,3 +165,18 @@ def finish(accelerator: Accelerator) -> None:
     gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+@contextmanager
+def finishing(accelerator: Accelerator) -> Iterator[None]:
+    """Run the training inside; then `finish`, also when it stopped early on purpose (`StopTraining`: a stop signal
+    after its checkpoint, a diverged run), and exit with that stop's status."""
+    status = 0
+    try:
+        yield
+    except StopTraining as stop:
+        status = stop.code
+        traceback.clear_frames(stop.__traceback__)  # the loop's frames hold the model: free it before `finish`
+    finish(accelerator)
+    if status:
+        raise SystemExit(status)

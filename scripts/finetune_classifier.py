@@ -34,13 +34,15 @@ from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.checkpoint import TrainingProgress, export_model, resume, save_checkpoint, track_progress
 from common.data import get_tokenizer, load_raw_datasets
+from common.divergence import NonFiniteGuard
 from common.errors import fail
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
                              load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.runtime import build_accelerator, finish, init_trackers
+from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
+from common.runtime import build_accelerator, finishing, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows
 
 logger = get_logger(__name__)
@@ -76,9 +78,10 @@ def main() -> None:
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     accelerator = build_accelerator(args)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
-    if not args.auto_find_batch_size:
-        train(args, config, accelerator, progress)
-    else:
+    with finishing(accelerator):  # also after a stop signal or divergence, then exits with that stop's status
+        if not args.auto_find_batch_size:
+            train(args, config, accelerator, progress)
+            return
         # accelerate retries on out-of-memory errors with the batch size it is given; each attempt starts afresh.
         effective_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
@@ -95,7 +98,6 @@ def main() -> None:
             return max(d for d in range(1, args.per_device_train_batch_size // 2 + 1) if effective_batch % d == 0)
 
         find_executable_batch_size(attempt, args.per_device_train_batch_size, reduce_batch_size_fn=smaller)()
-    finish(accelerator)
 
 
 def load_classification_data(args, accelerator, config):
@@ -182,6 +184,8 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
     # ---- training loop ----------------------------------------------------------------------------------------------
     log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
     best = BestModel(args.metric_for_best_model)
+    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
+    catch_stop_signals()  # from here on SIGTERM/SIGINT/SIGUSR1 end the run after the current step, with a checkpoint
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
@@ -190,25 +194,29 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss  # mean over the micro-batch's examples
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
+                log.add(loss / (ga * accelerator.num_processes), batch)  # equal-size micro-batches: the step's mean
+                if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                optimizer.step()
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()
+                    if guard.allows_update(log.step_loss(), grad_norm):  # NaN/inf: skipped on every rank
+                        optimizer.step()
+                        if not accelerator.optimizer_step_was_skipped:
+                            lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            log.add(loss / (ga * accelerator.num_processes), batch)  # equal-size micro-batches: the step's mean
         step = progress.step
         log.step(step, lr, grad_norm)
 
-        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.paused():
                 metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
                 log.write_eval(step, metrics)
                 if best.update(step, metrics) and args.load_best_model_at_end:
                     export_model(accelerator, model, tokenizer, args.output_dir)
-        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+        if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
-                save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+        if stop:
+            stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
     log.close()
     train_runtime = time.perf_counter() - train_start
 

@@ -28,13 +28,15 @@ from common.accumulation import backward_loss, count_label_tokens, router_aux_lo
 from common.args import parse_pretraining_args
 from common.checkpoint import export_model, resume, save_checkpoint, track_progress
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.divergence import NonFiniteGuard
 from common.evaluation import evaluate_causal_lm
 from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
 from common.modeling import (build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
                              outside_zero3)
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.runtime import build_accelerator, finish, init_trackers
+from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
+from common.runtime import build_accelerator, finishing, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows
 
 logger = get_logger(__name__)
@@ -49,8 +51,8 @@ def main() -> None:
     config = load_config(args)  # cheap: checked against the flags before any heavy work
     check_block_size(config, args.block_size)
     accelerator = build_accelerator(args)
-    train(args, config, accelerator)
-    finish(accelerator)
+    with finishing(accelerator):  # also after a stop signal or divergence, then exits with that stop's status
+        train(args, config, accelerator)
 
 
 def load_data(args, accelerator):
@@ -94,6 +96,8 @@ def train(args, config, accelerator) -> None:
     # ---- training loop ----------------------------------------------------------------------------------------------
     log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps,
                   flops_per_token=step_flops)
+    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
+    catch_stop_signals()  # from here on SIGTERM/SIGINT/SIGUSR1 end the run after the current step, with a checkpoint
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
@@ -104,23 +108,27 @@ def train(args, config, accelerator) -> None:
                 outputs = model(**batch, num_items_in_batch=num_items, use_cache=False)
                 loss, token_loss = backward_loss(outputs, accelerator, router_aux_loss_coef)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:  # clip once per optimizer step, on the summed gradients
+                log.add(token_loss, batch)
+                if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                optimizer.step()
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()
+                    if guard.allows_update(log.step_loss(), grad_norm):  # NaN/inf: skipped on every rank
+                        optimizer.step()
+                        if not accelerator.optimizer_step_was_skipped:
+                            lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            log.add(token_loss, batch)
         step = progress.step
         log.step(step, lr, grad_norm)
 
-        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps:
+        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.paused():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
-        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+        if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
-                save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+        if stop:
+            stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
     log.close()
     train_runtime = time.perf_counter() - train_start
 
