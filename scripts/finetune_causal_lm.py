@@ -36,7 +36,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
 from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, export_model, resume, save_checkpoint, track_progress
 from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
 from common.errors import fail
 from common.evaluation import evaluate_causal_lm
@@ -162,12 +162,14 @@ def build_dataloaders(args, accelerator, tokenizer, data):
 
 
 def train(args, config, accelerator) -> None:
+    run = RunRecord(args, "finetune_causal_lm", accelerator.num_processes, config)  # a resume that disagrees stops here
     os.makedirs(args.output_dir, exist_ok=True)
     ga = args.gradient_accumulation_steps
     tokenizer, data = load_sft_data(args, accelerator, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
+    run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model, freezing, optimizer, schedule (in optimizer steps) --------------------------------------------------
     model = build_causal_lm(args, config, len(tokenizer))
@@ -181,7 +183,7 @@ def train(args, config, accelerator) -> None:
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     progress = track_progress(accelerator)
-    resume(accelerator, args.resume_from_checkpoint, progress)
+    resume(accelerator, args.resume_from_checkpoint, progress, run)
     init_trackers(accelerator, args, "finetune_causal_lm")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
@@ -216,7 +218,7 @@ def train(args, config, accelerator) -> None:
             log.write_eval(step, eval_metrics)
         if args.checkpointing_steps and step % args.checkpointing_steps == 0:
             with log.paused():
-                save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+                save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
     log.close()
     train_runtime = time.perf_counter() - train_start
 
