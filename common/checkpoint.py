@@ -73,6 +73,8 @@ class RunRecord:
         }
         if args.tokenizer_name or args.model_name_or_path:  # the vocabulary size only counts for a trained tokenizer
             self.fields.pop("tokenizer_vocab_size", None)
+        if getattr(args, "validation_file", None):  # the split share only counts when validation is cut from train
+            self.fields.pop("validation_split_percentage", None)
         self.tokenizer = None
         if args.resume_from_checkpoint:
             check_run_record(args.resume_from_checkpoint, self.fields)
