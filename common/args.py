@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from common.checkpoint import resolve_resume_path
+from common.checkpoint import RUN_RECORD, is_checkpoint, resolve_resume_path
 from common.errors import fail
-from common.modeling import PRESETS
+from common.modeling import PRESETS, missing_local_path
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
@@ -113,8 +113,16 @@ def validate_common(args: argparse.Namespace) -> None:
             fail(f"--{name} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
         if os.path.getsize(path) == 0:
             fail(f"--{name} {path}: the file is empty")
-    if getattr(args, "validation_file", None) and not getattr(args, "train_file", None):
+    train_file, validation_file = getattr(args, "train_file", None), getattr(args, "validation_file", None)
+    if validation_file and not train_file:
         fail("--validation_file needs --train_file")
+    if validation_file and data_format(train_file) != data_format(validation_file):
+        fail(f"--train_file {train_file} and --validation_file {validation_file} must have the same format "
+             f"({data_format(train_file)} vs {data_format(validation_file)})")
+    for name in ("model_name_or_path", "config_name", "tokenizer_name"):
+        value = getattr(args, name, None)
+        if value and missing_local_path(value):  # else transformers takes it for a hub id with a confusing message
+            fail(f"--{name} {value}: no such folder")
     if getattr(args, "dataset_name", None) and getattr(args, "train_file", None):
         fail("give either --dataset_name or --train_file, not both")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -142,7 +150,11 @@ def validate_common(args: argparse.Namespace) -> None:
     if used and not args.resume_from_checkpoint and not args.overwrite_output_dir:
         fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
              " it or --overwrite_output_dir to start over")
+    check_writable_folder(args.output_dir, "--output_dir")
     args.resume_from_checkpoint = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+    if args.resume_from_checkpoint and not is_checkpoint(args.resume_from_checkpoint):
+        fail(f"--resume_from_checkpoint {args.resume_from_checkpoint}: not a checkpoint (it holds no {RUN_RECORD}); "
+             "pass an <output_dir>/checkpoints/step_N folder or `latest`")
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("fp16 mixed precision needs a CUDA GPU (fp16 loss scaling is not supported on CPU); use --bf16")
     if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
@@ -156,6 +168,20 @@ def validate_common(args: argparse.Namespace) -> None:
                      "wandb": is_wandb_available}[args.report_to]()
         if not available:
             fail(f"--report_to {args.report_to}: the package is not installed (pip install {args.report_to})")
+
+
+def data_format(path: str) -> str:
+    """The `datasets` builder that reads a data file (json for both .json and .jsonl)."""
+    return DATA_EXTENSIONS[os.path.splitext(path)[1].lower()]
+
+
+def check_writable_folder(path: str, flag: str) -> None:
+    """The folder, or the nearest existing folder above it, must be writable (checked without creating anything)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
 
 
 def finetuning_parser(description: str | None = None) -> ArgumentParser:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sysconfig
+from functools import partial
 from itertools import chain
 
 from accelerate import Accelerator
@@ -15,8 +16,10 @@ from datasets import DatasetDict, load_dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from common.args import DATA_EXTENSIONS
+from common.args import data_format
+from common.checkpoint import TOKENIZER_DIR
 from common.errors import fail
+from common.modeling import from_pretrained_or_fail
 
 logger = get_logger(__name__)
 
@@ -76,9 +79,12 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
         if getattr(args, "validation_file", None):
             files["validation"] = args.validation_file
-        builder = DATA_EXTENSIONS[os.path.splitext(files["train"])[1].lower()]
+        builder = data_format(files["train"])
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
-        raw = load_dataset(builder, data_files=files, **kwargs)
+        try:
+            raw = load_dataset(builder, data_files=files, **kwargs)
+        except Exception as e:  # datasets names neither the file nor the row: find them
+            fail(describe_unreadable_data(files, builder, e))
     if "train" not in raw:
         fail(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
     if "validation" not in raw:
@@ -101,6 +107,54 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
     return raw
 
 
+def describe_unreadable_data(files: dict[str, str], builder: str, error: Exception) -> str:
+    """One line for data files `datasets` could not read: the file, and the line that is not UTF-8 or not JSON."""
+    for split, path in files.items():
+        problem = find_bad_row(path, builder)
+        if problem:
+            return f"--{split}_file {path}: {problem}"
+    while error.__cause__ or error.__context__:  # the innermost error says what went wrong
+        error = error.__cause__ or error.__context__
+    detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"cannot read {' / '.join(files.values())}: {detail}"
+
+
+def find_bad_row(path: str, builder: str) -> str | None:
+    """The first line of a text/json/csv file that is not UTF-8 (or, in JSON lines, not JSON), or why a parquet file
+    does not open; None when nothing is found."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pq.ParquetFile(path)
+        except Exception as e:
+            return f"not a readable parquet file ({e})"
+        return None
+    document = False  # a .json file may hold one document (an array of rows) instead of one row per line
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"line {number} is not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+            if builder != "json" or document or not text.strip():
+                continue
+            if number == 1 and (text.lstrip().startswith("[") or text.strip() == "{"):
+                document = True
+                continue
+            try:
+                json.loads(text.rstrip("\r\n"))
+            except ValueError as e:
+                return f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
+    if document:
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError as e:
+            return f"not valid JSON ({e})"
+    return None
+
+
 def train_bpe_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (GPT-2 style: every byte representable, no unknown tokens), trained in seconds."""
     tok = Tokenizer(models.BPE())
@@ -118,12 +172,17 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     """The fast tokenizer named by --tokenizer_name / the model; else a BPE tokenizer trained on the train split.
 
     A trained tokenizer is cached under --cache_dir by a fingerprint of the data and vocab size: later runs reuse it.
+    A resumed run takes it from its checkpoint (which carries it), whatever the cache holds.
     """
     name = args.tokenizer_name or args.model_name_or_path
+    carried = os.path.join(args.resume_from_checkpoint or "", TOKENIZER_DIR)
     if name:
-        tokenizer = AutoTokenizer.from_pretrained(name, use_fast=True)
+        flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
+        tokenizer = from_pretrained_or_fail(partial(AutoTokenizer.from_pretrained, use_fast=True), name, flag)
         if not tokenizer.is_fast:
             fail(f"{name} has only a slow (Python) tokenizer; this script needs a fast one")
+    elif args.resume_from_checkpoint and os.path.isdir(carried):  # the tokenizer the checkpoint was trained with
+        tokenizer = AutoTokenizer.from_pretrained(carried)
     else:
         key = f"{raw['train']._fingerprint}-{args.tokenizer_vocab_size}"
         path = os.path.join(args.cache_dir, f"tokenizer-bpe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")

@@ -3,7 +3,10 @@ run that stops early with its own status (a stop signal after its checkpoint, a 
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from typing import TYPE_CHECKING, NoReturn
 
 from tqdm import tqdm
@@ -15,11 +18,17 @@ if TYPE_CHECKING:
 def fail(message: str) -> NoReturn:
     """Stop with one clear line on stderr (`error: ...`) and exit status 2.
 
-    Open progress bars are closed first: otherwise they redraw at exit, after the error line.
+    Under a multi-process launch every process meets the same bad input, and the line is printed once per machine,
+    by local rank 0.
     """
-    for bar in list(tqdm._instances):
-        bar.close()
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    line = f"error: {message}"
+    leave_for_launcher(line)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        # Local rank 0 prints the line; its exit makes the launcher stop this process. Exiting first could get rank 0
+        # stopped before it has printed.
+        time.sleep(5)
+    else:
+        print_last(line)
     raise SystemExit(2)
 
 
@@ -29,12 +38,32 @@ def fail_on_every_rank(accelerator: Accelerator, message: str) -> NoReturn:
     Every rank must call it. The barrier keeps the others alive until the line is out: when one rank exits, the
     launcher stops the rest, possibly before their print.
     """
+    line = f"error: {message}"
+    leave_for_launcher(line)
     if accelerator.is_main_process:
-        for bar in list(tqdm._instances):
-            bar.close()
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print_last(line)
     accelerator.wait_for_everyone()
     raise SystemExit(2)
+
+
+def print_last(line: str) -> None:
+    """Print `line` on stderr after closing the open progress bars (they would otherwise redraw after it at exit)."""
+    for bar in list(tqdm._instances):
+        bar.close()
+    print(line, file=sys.stderr, flush=True)
+
+
+def leave_for_launcher(line: str) -> None:
+    """Write `line` into torch elastic's error file (set by torchrun for each process), so the failure report that
+    `accelerate launch` prints after a multi-process run names it as the root cause (also when only another rank
+    failed)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the report then says "error_file: <N/A>"
 
 
 class StopTraining(SystemExit):

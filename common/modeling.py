@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+import json
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -36,12 +38,39 @@ MOE_PRESETS = {
 PRESETS = tuple(LLAMA_PRESETS) + tuple(MOE_PRESETS)
 
 
+def missing_local_path(name: str) -> bool:
+    """A name that can only mean a local path (absolute, `./`, `~`, or inside an existing folder), and is missing;
+    other names may be hub ids (`org/model`)."""
+    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.isdir(os.path.dirname(name))
+    return looks_local and not os.path.exists(os.path.expanduser(name))
+
+
+def from_pretrained_or_fail(load: Callable, name: str, flag: str):
+    """`load(name)` (a `from_pretrained`); a missing folder, a broken config.json or an unknown hub id is one line.
+
+    transformers takes a path that does not exist for a hub id and answers "Repo id must be in the form ...".
+    """
+    try:
+        return load(name)
+    except (OSError, ValueError) as e:
+        config_file = os.path.join(name, "config.json")
+        if os.path.isfile(config_file):
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    json.load(f)
+            except ValueError as bad:
+                fail(f"{flag} {name}: {config_file} is not valid JSON ({bad})")
+        if missing_local_path(name):
+            fail(f"{flag} {name}: no such folder")
+        fail(f"{flag} {name}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
+
+
 def load_config(args: argparse.Namespace) -> PretrainedConfig:
     """The model's config, cheaply (no weights), so that flags can be checked against it before any heavy work."""
     if args.model_name_or_path:
-        return AutoConfig.from_pretrained(args.model_name_or_path)
+        return from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
     if args.config_name:
-        return AutoConfig.from_pretrained(args.config_name)
+        return from_pretrained_or_fail(AutoConfig.from_pretrained, args.config_name, "--config_name")
     preset = args.model_preset or "tiny"
     if preset in MOE_PRESETS:
         return MixtralConfig(**MOE_PRESETS[preset])
@@ -50,7 +79,7 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
 
 def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
     """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
-    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
     if args.freeze_layers > config.num_hidden_layers:
         fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
     max_positions = getattr(config, "max_position_embeddings", None)

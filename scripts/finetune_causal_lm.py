@@ -36,7 +36,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
 from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, export_model, resume, save_checkpoint, track_progress
 from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
 from common.divergence import NonFiniteGuard
 from common.errors import fail
@@ -165,12 +165,14 @@ def build_dataloaders(args, accelerator, tokenizer, data):
 
 
 def train(args, config, accelerator) -> None:
+    run = RunRecord(args, "finetune_causal_lm", accelerator.num_processes, config)  # a resume that disagrees stops here
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     tokenizer, data = load_sft_data(args, accelerator, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
+    run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model, freezing, optimizer, schedule (in optimizer steps) --------------------------------------------------
     model = build_causal_lm(args, config, len(tokenizer))
@@ -184,7 +186,7 @@ def train(args, config, accelerator) -> None:
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     progress = track_progress(accelerator)
-    resume(accelerator, args.resume_from_checkpoint, progress)
+    resume(accelerator, args.resume_from_checkpoint, progress, run)
     init_trackers(accelerator, args, "finetune_causal_lm")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
@@ -223,7 +225,7 @@ def train(args, config, accelerator) -> None:
             log.write_eval(step, eval_metrics)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
-                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
         if stop:
             stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
     log.close()

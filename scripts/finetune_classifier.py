@@ -32,7 +32,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import TrainingProgress, export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, TrainingProgress, export_model, resume, save_checkpoint, track_progress
 from common.data import get_tokenizer, load_raw_datasets
 from common.divergence import NonFiniteGuard
 from common.errors import fail
@@ -153,12 +153,14 @@ def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
 
 
 def train(args, config, accelerator, progress: TrainingProgress) -> None:
+    run = RunRecord(args, "finetune_classifier", accelerator.num_processes, config)  # a resume that disagrees stops here
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     tokenizer, data, label_names, max_length = load_classification_data(args, accelerator, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data, max_length)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
+    run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model (new classification head), freezing, optimizer, schedule (in optimizer steps) -----------------------
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -174,7 +176,7 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    resume(accelerator, args.resume_from_checkpoint, progress)
+    resume(accelerator, args.resume_from_checkpoint, progress, run)
     init_trackers(accelerator, args, "finetune_classifier")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
@@ -214,7 +216,7 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
                     export_model(accelerator, model, tokenizer, args.output_dir)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
-                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
         if stop:
             stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
     log.close()

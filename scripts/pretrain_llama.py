@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 
 from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
 from common.args import parse_pretraining_args
-from common.checkpoint import export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, export_model, resume, save_checkpoint, track_progress
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.divergence import NonFiniteGuard
 from common.evaluation import evaluate_causal_lm
@@ -69,11 +69,13 @@ def load_data(args, accelerator):
 
 
 def train(args, config, accelerator) -> None:
+    run = RunRecord(args, "pretrain_llama", accelerator.num_processes, config)  # a resume that disagrees stops here
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs, unit="blocks")
+    run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
     model = build_causal_lm(args, config, len(tokenizer))
@@ -86,7 +88,7 @@ def train(args, config, accelerator) -> None:
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     progress = track_progress(accelerator)
-    resume(accelerator, args.resume_from_checkpoint, progress)
+    resume(accelerator, args.resume_from_checkpoint, progress, run)
     init_trackers(accelerator, args, "pretrain_llama")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
                 f"{len(train_dataloader.dataset)} training blocks of {args.block_size} tokens, {steps_per_epoch} "
@@ -126,7 +128,7 @@ def train(args, config, accelerator) -> None:
             log.write_eval(step, eval_metrics)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.paused():
-                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
         if stop:
             stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
     log.close()
@@ -148,13 +150,13 @@ def train(args, config, accelerator) -> None:
 
 
 def generate_sample(model_dir: str, prompt: str, max_new_tokens: int) -> str:
-    """Reload the exported folder as a user would, and sample from it (proves the export is complete)."""
+    """Reload the exported folder as a user would, and sample from it with its generation config (proves the export
+    is complete: the sample stops at the tokenizer's end-of-text)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with outside_zero3(), torch.no_grad():  # main process only: no partitioned build, no lockstep generation
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         inputs = tokenizer(prompt, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=50, temperature=0.8,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=50, temperature=0.8)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 

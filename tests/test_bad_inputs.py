@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_script
+from conftest import ROOT, SCRIPTS, run_script
 
 
 def load_script(name: str):
@@ -43,13 +44,63 @@ def one_line_error(capsys, argv: list[str]) -> str:
     (["--resume_from_checkpoint", "/no/such/checkpoint"], "no such folder"),
     (["--model_preset", "tiny", "--config_name", "x"], "give only one of"),
     (["--resume_from_checkpoint", "latest"], "--resume_from_checkpoint latest: no checkpoint under"),
+    (["--resume_from_checkpoint", "{tmp}"], "--resume_from_checkpoint {tmp}: not a checkpoint (it holds no run.json)"),
+    (["--train_file", "{jsonl}", "--validation_file", "{csv}"],
+     "--train_file {jsonl} and --validation_file {csv} must have the same format (json vs csv)"),
+    (["--model_name_or_path", "{tmp}/no-model"], "--model_name_or_path {tmp}/no-model: no such folder"),
+    (["--tokenizer_name", "./no-such-tokenizer"], "--tokenizer_name ./no-such-tokenizer: no such folder"),
+    (["--model_name_or_path", "{broken}"], "--model_name_or_path {broken}: {broken}/config.json is not valid JSON "
+                                            "(Expecting property name enclosed in double quotes: line 1 column 25"),
 ])
 def test_bad_flag_gives_one_clear_line(capsys, tmp_path, argv, message):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "data.xml").write_text("<x/>")
-    argv = [a.format(empty=tmp_path / "empty.jsonl", bad_ext=tmp_path / "data.xml") for a in argv]
-    assert message in one_line_error(capsys, argv + ["--output_dir", str(tmp_path / "out")])
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "rows.csv").write_text("text\na\n")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama", }')
+    names = dict(empty=tmp_path / "empty.jsonl", bad_ext=tmp_path / "data.xml", tmp=tmp_path,
+                 jsonl=tmp_path / "rows.jsonl", csv=tmp_path / "rows.csv", broken=tmp_path / "broken")
+    argv = [a.format(**names) for a in argv]
+    assert message.format(**names) in one_line_error(capsys, argv + ["--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_dir_is_one_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    err = one_line_error(capsys, ["--output_dir", str(tmp_path / "file" / "out")])
+    assert err == (f"error: --output_dir {tmp_path}/file/out: cannot write there ({tmp_path}/file is not a writable "
+                   "folder)")
+
+
+@pytest.mark.parametrize("name,content,problem", [
+    ("latin1.txt", b"first line\ncaf\xe9 au lait\n", "line 2 is not UTF-8 text (byte 0xe9 at column 4)"),
+    ("rows.jsonl", b'{"text": "a"}\n{"text": "b"\n{"text": "c"}\n',
+     "line 2 is not valid JSON (Expecting ',' delimiter at column 13)"),
+    ("rows.parquet", b"PAR1 not really parquet", "not a readable parquet file (Parquet magic bytes not found"),
+])
+def test_unreadable_data_names_the_file_and_line(capsys, tmp_path, name, content, problem):
+    """datasets stops with a traceback naming neither the file nor the row; the scripts name both, in one line."""
+    from common.data import load_raw_datasets
+
+    good = tmp_path / ("good" + os.path.splitext(name)[1])
+    if name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": ["a", "b"]}), good)
+    else:
+        good.write_text('{"text": "a"}\n' if name.endswith(".jsonl") else "a\n")
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    args = pretrain.parse_args(["--train_file", str(good), "--validation_file", str(bad), "--output_dir",
+                                str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit) as exc:
+        load_raw_datasets(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars come first
+    assert err[-1].startswith(f"error: --validation_file {bad}: {problem}"), err
+    assert sum(line.startswith("error:") for line in err) == 1
 
 
 def test_used_output_dir_is_not_overwritten(capsys, tmp_path):
@@ -81,3 +132,28 @@ def test_fsdp1_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_
         build_accelerator(args)
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().startswith("error: FSDP on CPU needs FSDP2")
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processes):
+    """The README's `accelerate launch`: one process meets a bad flag before the process group exists, two processes
+    a bad row once it does. Each prints the line once (not once per process). The launcher then adds its own report
+    and exits with status 1 whatever the script's status (accelerate 1.15); after a multi-process run that report
+    names the line as the root cause."""
+    config = "cpu_2proc.yaml" if num_processes == 2 else "cpu_1proc.yaml"
+    launch = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
+              os.path.join(ROOT, "accelerate_configs", config), "--num_processes", str(num_processes),
+              "--main_process_port", "0"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n{"text": "b"\n')
+    bad = (["--per_device_train_batch_size", "0"] if num_processes == 1 else
+           ["--train_file", str(rows), "--validation_file", str(rows), "--cache_dir", str(tmp_path / "cache")])
+    expected = ("error: --per_device_train_batch_size must be >= 1 (got 0)" if num_processes == 1 else
+                f"error: --train_file {rows}: line 2 is not valid JSON (Expecting ',' delimiter at column 13)")
+    proc = run_script("pretrain_llama.py", *bad, "--output_dir", str(tmp_path / "out"), launcher=launch, check=False)
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if line.startswith("error:")] == [expected], proc.stderr[-3000:]
+    assert proc.returncode != 0
+    if num_processes == 2:
+        root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
+        assert f"traceback : {expected}" in root_cause
