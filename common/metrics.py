@@ -112,7 +112,7 @@ class StepLog:
     (main process) and to accelerate's trackers.
     """
 
-    def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int,
+    def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int | None,
                  logging_steps: int, flops_per_token: float | None = None) -> None:
         self.accelerator, self.total_steps, self.steps_per_epoch = accelerator, total_steps, steps_per_epoch
         self.logging_steps, self.flops_per_token = logging_steps, flops_per_token
@@ -156,7 +156,7 @@ class StepLog:
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work
         tokens_per_second, _ = self.throughput.report()
-        row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4),
+        row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None,
                "loss": acc.reduce(self.loss, "sum").item() / max(step - self.last_written_step, 1),
                "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else None,
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),

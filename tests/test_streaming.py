@@ -1,0 +1,149 @@
+"""`--streaming` (common/streaming.py): each document once per pass over all processes, exact mid-run resume.
+
+Properties:
+- coverage: the processes' shares of the stream partition the documents (each one exactly once, none held out for
+  validation among them), for one file (split document by document) and for two (split by shard); a process's
+  packed blocks are exactly its documents' tokens in order, less the tail shorter than a block;
+- resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
+  checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
+  crosses a pass boundary after the resume, and the checkpoint holds one stream position per process;
+- `--streaming` without `--max_steps` is one error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_script, train_losses
+
+LOSS_ATOL = 1e-6  # measured: identical (0.0) — the resumed run does the same arithmetic on the same blocks
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+N_DOCS, STOP, STEPS = 100, 3, 9  # ~7 optimizer steps per pass: resumed at step 3, the run crosses into pass 2
+
+
+def write_docs(path: str, ids: range) -> None:
+    rng = random.Random(ids.start)
+    words = "the model reads tokens and learns to predict the next one from batches of text".split()
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": f"doc{i} " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 60)))})
+                     + "\n" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def stream_corpus(tmp_path_factory) -> dict[str, str]:
+    """Documents `doc<i> ...` in one train file, the same split over two files, a validation file, a tokenizer."""
+    from common.data import train_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("stream")
+    paths = {name: str(d / f"{name}.jsonl") for name in ("train", "part0", "part1", "validation")}
+    write_docs(paths["train"], range(N_DOCS))
+    write_docs(paths["part0"], range(0, N_DOCS // 2))
+    write_docs(paths["part1"], range(N_DOCS // 2, N_DOCS))
+    write_docs(paths["validation"], range(N_DOCS, N_DOCS + 20))
+    with open(paths["train"]) as f:
+        train_bpe_tokenizer([json.loads(line)["text"] for line in f], vocab_size=512).save_pretrained(str(d / "tok"))
+    paths["tokenizer"] = str(d / "tok")
+    return paths
+
+
+def stream_args(**overrides) -> argparse.Namespace:
+    values = dict(dataset_name=None, train_file=None, validation_file=None, text_column="text", max_eval_samples=None,
+                  max_train_samples=None, cache_dir=None)
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def doc_ids(documents) -> list[int]:
+    return [int(row["text"].split()[0][3:]) for row in documents]
+
+
+@pytest.mark.parametrize("files", [["train"], ["part0", "part1"]], ids=["one-file", "two-shards"])
+def test_each_document_once_per_pass(stream_corpus, files):
+    from datasets import load_dataset
+
+    from common.streaming import process_share
+
+    stream = load_dataset("json", data_files=[stream_corpus[f] for f in files], streaming=True)["train"]
+    shares = [doc_ids(process_share(stream, rank, 2)) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(N_DOCS))  # every document once, over both processes
+    assert min(len(s) for s in shares) >= N_DOCS // 2 - 1
+
+
+def test_held_out_documents_are_not_trained_on(stream_corpus):
+    from common.streaming import load_streams
+
+    train, validation = load_streams(stream_args(train_file=stream_corpus["train"], max_eval_samples=15))
+    assert doc_ids(validation) == list(range(15)) and doc_ids(train) == list(range(15, N_DOCS))
+    train, validation = load_streams(stream_args(train_file=stream_corpus["train"],
+                                                 validation_file=stream_corpus["validation"]))
+    assert doc_ids(train) == list(range(N_DOCS)) and doc_ids(validation) == list(range(N_DOCS, N_DOCS + 20))
+
+
+def test_blocks_are_the_share_tokens_in_order(stream_corpus):
+    from transformers import AutoTokenizer
+
+    from common.streaming import load_streams, packed_blocks, process_share
+
+    args = stream_args(train_file=stream_corpus["train"], validation_file=stream_corpus["validation"])
+    tokenizer = AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
+    train, _ = load_streams(args)
+    for rank in range(2):
+        share = process_share(train, rank, 2)
+        tokens = [t for row in share for t in tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]]
+        rows = list(packed_blocks(share, args, tokenizer, 64))
+        assert all(row["labels"] == row["input_ids"] for row in rows)
+        blocks = [row["input_ids"] for row in rows]
+        assert [t for b in blocks for t in b] == tokens[:len(blocks) * 64] and len(tokens) - len(blocks) * 64 < 64
+
+
+def launcher(processes: int) -> list[str]:
+    config = os.path.join(ROOT, "accelerate_configs", f"cpu_{processes}proc.yaml")
+    return [ACCELERATE, "launch", "--config_file", config, "--num_processes", str(processes), "--main_process_port",
+            "0"]
+
+
+def train_stream(stream_corpus, output_dir, processes: int, *extra: str) -> None:
+    run_script("pretrain_llama.py", "--streaming", "--model_preset", "tiny", "--tokenizer_name",
+               stream_corpus["tokenizer"], "--train_file", stream_corpus["train"], "--validation_file",
+               stream_corpus["validation"], "--block_size", "64", "--output_dir", str(output_dir),
+               "--cache_dir", str(output_dir) + "-cache", "--max_steps", str(STEPS), "--logging_steps", "1",
+               "--per_device_train_batch_size", str(4 // processes), "--gradient_accumulation_steps", "2",
+               "--mixed_precision", "no", "--sample_max_new_tokens", "0", *extra, launcher=launcher(processes))
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_resume_equals_uninterrupted(stream_corpus, tmp_path, processes):
+    full = tmp_path / "full"
+    train_stream(stream_corpus, full, processes, "--checkpointing_steps", str(STOP), "--save_total_limit", "9")
+    checkpoint = full / "checkpoints" / f"step_{STOP}"
+    # one position per process (save_state alone writes one loader state, rank 0's, for all)
+    positions = [json.loads((checkpoint / f"stream_position_rank{r}.json").read_text()) for r in range(processes)]
+    assert [p["epoch"] for p in positions] == [0] * processes  # stopped inside the first pass
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(checkpoint, resumed / "checkpoints" / f"step_{STOP}")
+    train_stream(stream_corpus, resumed, processes, "--resume_from_checkpoint", "latest")
+    want, got = train_losses(str(full)), train_losses(str(resumed))
+    assert sorted(got) == list(range(STOP + 1, STEPS + 1))
+    assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    passes = [json.loads((full / "checkpoints" / f"step_{STEPS - STEPS % STOP}" / f"stream_position_rank{r}.json")
+                         .read_text())["epoch"] for r in range(processes)]
+    assert min(passes) >= 1  # the resumed stretch crossed into the second pass
+
+
+def test_streaming_needs_max_steps(stream_corpus, tmp_path):
+    proc = run_script("pretrain_llama.py", "--streaming", "--train_file", stream_corpus["train"], "--output_dir",
+                      str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --streaming needs --max_steps: a stream has no length to count epochs in"]
