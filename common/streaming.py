@@ -16,6 +16,7 @@ again when the loader goes through `accelerator.prepare`), and the loader's stat
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.logging import get_logger
-from datasets import Dataset, IterableDataset, load_dataset
+from datasets import Dataset, IterableDataset, IterableDatasetDict, load_dataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -40,8 +41,7 @@ DEFAULT_EVAL_DOCUMENTS = 1_000       # held-out documents when --max_eval_sample
 
 
 def load_streams(args: argparse.Namespace) -> tuple[IterableDataset, IterableDataset]:
-    """(train, validation) document streams. Without a validation split, the first held-out documents of the
-    training stream are the validation set, and training skips them."""
+    """(train, validation) document streams from the hub, local files or the embedded default corpus."""
     if args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name, streaming=True)
     else:
@@ -53,14 +53,31 @@ def load_streams(args: argparse.Namespace) -> tuple[IterableDataset, IterableDat
                            **({"keep_linebreaks": True} if builder == "text" else {}))
     if "train" not in raw:
         fail(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
-    train, held_out = raw["train"], args.max_eval_samples or DEFAULT_EVAL_DOCUMENTS
-    if "validation" in raw:
-        validation = raw["validation"].take(held_out)
-    else:
-        validation, train = train.take(held_out), train.skip(held_out)
+    return split_streams(raw, args)
+
+
+def split_streams(raw: IterableDatasetDict, args: argparse.Namespace) -> tuple[IterableDataset, IterableDataset]:
+    """(train, validation): at most --max_eval_samples validation documents, at most --max_train_samples training.
+
+    Without a validation split, --validation_split_percentage of the training documents are held out, chosen by a
+    hash of their text: the choice depends on no position, so it holds however the stream is later split.
+    """
+    train, validation = raw["train"], raw.get("validation")
+    if validation is None:
+        if args.validation_split_percentage <= 0:
+            fail("no validation data: pass --validation_file or a --validation_split_percentage > 0")
+        text, percent = args.text_column, args.validation_split_percentage
+        validation = train.filter(lambda row: held_out(row[text], percent))
+        train = train.filter(lambda row: not held_out(row[text], percent))
+    validation = validation.take(args.max_eval_samples or DEFAULT_EVAL_DOCUMENTS)
     if args.max_train_samples:
         train = train.take(args.max_train_samples)
     return train, validation
+
+
+def held_out(text: str, percent: int) -> bool:
+    """Whether a document without a validation split is held out for validation (stable across runs and machines)."""
+    return int(hashlib.md5(text.encode()).hexdigest(), 16) % 100 < percent
 
 
 def packed_blocks(documents: IterableDataset, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,

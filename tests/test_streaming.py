@@ -30,12 +30,15 @@ ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 N_DOCS, STOP, STEPS = 100, 3, 9  # ~7 optimizer steps per pass: resumed at step 3, the run crosses into pass 2
 
 
-def write_docs(path: str, ids: range) -> None:
-    rng = random.Random(ids.start)
+def document(i: int) -> str:
+    rng = random.Random(i)
     words = "the model reads tokens and learns to predict the next one from batches of text".split()
+    return f"doc{i} " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 60)))
+
+
+def write_docs(path: str, ids: range) -> None:
     with open(path, "w") as f:
-        f.writelines(json.dumps({"text": f"doc{i} " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 60)))})
-                     + "\n" for i in ids)
+        f.writelines(json.dumps({"text": document(i)}) + "\n" for i in ids)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def stream_corpus(tmp_path_factory) -> dict[str, str]:
 
 def stream_args(**overrides) -> argparse.Namespace:
     values = dict(dataset_name=None, train_file=None, validation_file=None, text_column="text", max_eval_samples=None,
-                  max_train_samples=None, cache_dir=None)
+                  max_train_samples=None, cache_dir=None, validation_split_percentage=20)
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -78,10 +81,18 @@ def test_each_document_once_per_pass(stream_corpus, files):
 
 
 def test_held_out_documents_are_not_trained_on(stream_corpus):
-    from common.streaming import load_streams
+    from datasets import load_dataset
 
-    train, validation = load_streams(stream_args(train_file=stream_corpus["train"], max_eval_samples=15))
-    assert doc_ids(validation) == list(range(15)) and doc_ids(train) == list(range(15, N_DOCS))
+    from common.streaming import load_streams, process_share, split_streams
+
+    _, validation = load_streams(stream_args(train_file=stream_corpus["train"]))  # 20 % held out, by hash
+    held = doc_ids(validation)
+    assert 10 <= len(held) <= 30
+    for files in (["train"], ["part0", "part1"]):  # then split by document, and by shard
+        raw = load_dataset("json", data_files={"train": [stream_corpus[f] for f in files]}, streaming=True)
+        train, _ = split_streams(raw, stream_args())
+        trained = [i for rank in range(2) for i in doc_ids(process_share(train, rank, 2))]
+        assert not set(held) & set(trained) and sorted(held + trained) == list(range(N_DOCS))
     train, validation = load_streams(stream_args(train_file=stream_corpus["train"],
                                                  validation_file=stream_corpus["validation"]))
     assert doc_ids(train) == list(range(N_DOCS)) and doc_ids(validation) == list(range(N_DOCS, N_DOCS + 20))
