@@ -1,10 +1,11 @@
 """`--streaming`: the corpus read as a `datasets` IterableDataset, tokenized and packed on the fly, resumable exactly.
 
 Nothing is tokenized up front and nothing goes to the datasets cache. Each process takes its own share of the
-documents (whole shards when their number divides by the process count, else every N-th document), tokenizes and packs it with the map-style path's functions (`common/data.py`), and batches it with
-torchdata's StatefulDataLoader. One pass over a process's share is one epoch of that process. Documents come in
-stream order, every pass: `datasets` does not checkpoint a shuffle buffer's content (a resume would drop it), so
-there is no shuffle buffer; shuffle the corpus beforehand.
+documents (whole shards when their number divides by the process count, else every N-th document), tokenizes and
+packs it with the map-style path's functions (`common/data.py`), and batches it with torchdata's
+StatefulDataLoader. One pass over a process's share is one epoch of that process. Documents come in stream order,
+every pass: `datasets` does not checkpoint a shuffle buffer's content (a resume would drop it), so there is no
+shuffle buffer; shuffle the corpus beforehand.
 
 Exact resume: every checkpoint holds, per process, `stream_position_rank<R>.json` — the pass number and the
 StatefulDataLoader's state (the `datasets` stream's position, down to the document inside a map batch). The traps
@@ -21,9 +22,9 @@ import json
 import os
 from collections.abc import Iterator
 
+import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.logging import get_logger
 from datasets import Dataset, IterableDataset, IterableDatasetDict, load_dataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
@@ -33,8 +34,6 @@ from transformers import PreTrainedTokenizerBase, default_data_collator
 from common.args import DATA_EXTENSIONS
 from common.data import block_packer, build_default_corpus, document_tokenizer, get_tokenizer
 from common.errors import fail
-
-logger = get_logger(__name__)
 
 TOKENIZER_SAMPLE_DOCUMENTS = 10_000  # a tokenizer trained here learns from the stream's first documents
 DEFAULT_EVAL_DOCUMENTS = 1_000       # held-out documents when --max_eval_samples is not given
@@ -119,13 +118,11 @@ class StreamingLoader:
     passes; the checkpoint hooks save and restore it together with the loader's state.
     """
 
-    def __init__(self, accelerator: Accelerator, blocks: IterableDataset, batch_size: int, num_workers: int) -> None:
-        loader = StatefulDataLoader(blocks, batch_size=batch_size, collate_fn=default_data_collator,
-                                    num_workers=num_workers)
+    def __init__(self, accelerator: Accelerator, loader: StatefulDataLoader) -> None:
         # Already this process's share: prepared as one process (device placement only, no second split).
         self.loader = prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
                                           put_on_device=True, dispatch_batches=False, use_stateful_dataloader=True)
-        self.batch_size, self.epoch = batch_size, 0
+        self.batch_size, self.epoch = loader.batch_size, 0
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         accelerator.register_save_state_pre_hook(self._save)
         accelerator.register_load_state_pre_hook(self._load)
@@ -167,8 +164,10 @@ def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator
         fail(f"the held-out documents hold fewer than --block_size={args.block_size} tokens; use more data, a "
              "larger --max_eval_samples or a smaller --block_size")
     share = process_share(train, accelerator.process_index, accelerator.num_processes)
-    train_loader = StreamingLoader(accelerator, packed_blocks(share, args, tokenizer, args.block_size),
-                                   args.per_device_train_batch_size, args.dataloader_num_workers)
-    eval_loader = DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size,
-                             collate_fn=default_data_collator)
+    loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
+                         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    train_loader = StreamingLoader(accelerator, StatefulDataLoader(
+        packed_blocks(share, args, tokenizer, args.block_size), batch_size=args.per_device_train_batch_size,
+        **loader_kwargs))
+    eval_loader = DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
     return tokenizer, train_loader, eval_loader
