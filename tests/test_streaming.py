@@ -7,7 +7,8 @@ Properties:
 - resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
   checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
   crosses a pass boundary after the resume, and the checkpoint holds one stream position per process;
-- `--streaming` without `--max_steps` is one error line.
+- a stream position saved by another process count (or none) is one error line on resume, and so is
+  `--streaming` without `--max_steps`.
 """
 
 from __future__ import annotations
@@ -150,6 +151,28 @@ def test_resume_equals_uninterrupted(stream_corpus, tmp_path, processes):
     passes = [json.loads((full / "checkpoints" / f"step_{STEPS - STEPS % STOP}" / f"stream_position_rank{r}.json")
                          .read_text())["epoch"] for r in range(processes)]
     assert min(passes) >= 1  # the resumed stretch crossed into the second pass
+
+
+def test_position_saved_by_another_process_count_is_refused(tmp_path, capsys):
+    from accelerate import Accelerator
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from common.streaming import StreamingLoader
+
+    stream = StreamingLoader(Accelerator(cpu=True), StatefulDataLoader([{"input_ids": [i]} for i in range(8)]))
+    with pytest.raises(SystemExit) as missing:
+        stream._load([], str(tmp_path))
+    stream._save([], [], str(tmp_path))
+    path = tmp_path / "stream_position_rank0.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "world_size": 2}))
+    with pytest.raises(SystemExit) as other_count:
+        stream._load([], str(tmp_path))
+    assert missing.value.code == other_count.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path} holds no stream position for process 0: resume a --streaming run from a --streaming "
+        "checkpoint, with the same number of processes",
+        f"error: {tmp_path} was saved by 2 processes, this run has 1: a stream's per-process positions resume only "
+        "at the same process count"]
 
 
 def test_streaming_needs_max_steps(stream_corpus, tmp_path):
