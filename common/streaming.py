@@ -150,8 +150,11 @@ class StreamingLoader:
         if state["world_size"] != self.world_size:
             fail(f"{checkpoint_dir} was saved by {state['world_size']} processes, this run has {self.world_size}: "
                  "a stream's per-process positions resume only at the same process count")
-        self.epoch = state["epoch"]
-        self.loader.load_state_dict(state["loader"])
+        if state["loader"].get("_iterator_finished"):  # saved at the end of a pass: the next one starts afresh
+            self.epoch = state["epoch"] + 1  # (a loader with workers would otherwise replay the finished pass)
+        else:
+            self.epoch = state["epoch"]
+            self.loader.load_state_dict(state["loader"])
 
 
 def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator

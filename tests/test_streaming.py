@@ -4,6 +4,8 @@ Properties:
 - coverage: the processes' shares of the stream partition the documents (each one exactly once, none held out for
   validation among them), for one file (split document by document) and for two (split by shard); a process's
   packed blocks are exactly its documents' tokens in order, less the tail shorter than a block;
+- in-process, the stream's loader saved after any batch of a pass (the last one too) and restored into a new one goes
+  on with the uninterrupted batches and passes, with and without loader workers;
 - resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
   checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
   crosses a pass boundary after the resume, and the checkpoint holds one stream position per process;
@@ -114,6 +116,43 @@ def test_blocks_are_the_share_tokens_in_order(stream_corpus):
         assert all(row["labels"] == row["input_ids"] for row in rows)
         blocks = [row["input_ids"] for row in rows]
         assert [t for b in blocks for t in b] == tokens[:len(blocks) * 64] and len(tokens) - len(blocks) * 64 < 64
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_at_every_batch(stream_corpus, tmp_path, workers):
+    """In-process: stopped after any batch of a pass (the last one too), saved and restored into a new loader, the
+    stream goes on with the uninterrupted sequence of batches and passes (two shards, so two workers both read)."""
+    from accelerate import Accelerator
+    from datasets import load_dataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import AutoTokenizer, default_data_collator
+
+    from common.streaming import StreamingLoader, packed_blocks
+
+    accelerator, tokenizer = Accelerator(cpu=True), AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
+    docs = load_dataset("json", data_files=[stream_corpus["part0"], stream_corpus["part1"]], streaming=True)["train"]
+    args = stream_args(train_file=stream_corpus["part0"])
+
+    def new_stream() -> StreamingLoader:
+        blocks = packed_blocks(docs, args, tokenizer, 64)
+        return StreamingLoader(accelerator, StatefulDataLoader(blocks, batch_size=4, num_workers=workers,
+                                                               collate_fn=default_data_collator))
+
+    def passes(stream: StreamingLoader, count: int) -> list[list[list[list[int]]]]:
+        return [[batch["input_ids"].tolist() for batch in stream] for _ in range(count)]
+
+    want = passes(new_stream(), 2)
+    n = len(want[0])
+    for k in (1, n // 2, n - 1, n):
+        stream = new_stream()
+        batches = iter(stream)
+        for _ in range(k):
+            next(batches)
+        stream._save([], [], str(tmp_path))
+        resumed = new_stream()
+        resumed._load([], str(tmp_path))
+        got = [[], *passes(resumed, 1)] if k == n else passes(resumed, 2)
+        assert got[0] == want[0][k:] and got[1] == want[1] and resumed.epoch == 2, k
 
 
 def launcher(processes: int) -> list[str]:
