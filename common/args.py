@@ -223,12 +223,16 @@ def parse_pretraining_args(argv: list[str] | None = None, description: str | Non
     g = parser.add_argument_group("pretraining")
     g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
     g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="When a tokenizer is trained here.")
+    g.add_argument("--streaming", action="store_true",
+                   help="Read the corpus as a stream: tokenized and packed on the fly, no cache; needs --max_steps.")
     g.add_argument("--sample_prompt", default="def ", help="Prompt for the sample generated at the end.")
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="0: no sample.")
     args = parser.parse_args(argv)
     validate_common(args)
     if args.block_size < 2:
         fail(f"--block_size must be >= 2 (got {args.block_size})")
+    if args.streaming and args.max_steps <= 0:
+        fail("--streaming needs --max_steps: a stream has no length to count epochs in")
     if sum(x is not None for x in (args.model_name_or_path, args.config_name, args.model_preset)) > 1:
         fail("give only one of --model_name_or_path, --config_name, --model_preset")
     return args

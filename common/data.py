@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Callable
 from functools import partial
 from itertools import chain
 
@@ -197,26 +198,39 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     return tokenizer
 
 
-def tokenize_and_pack(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict,
-                      tokenizer: PreTrainedTokenizerBase, block_size: int) -> DatasetDict:
-    """Tokenize every row (EOS after each document) and concatenate into `block_size` blocks with labels.
-
-    Runs on the main process first so the other processes load the result from the datasets cache.
-    The tail shorter than a block in each map batch is dropped (as Hugging Face's run_clm does).
-    """
+def document_tokenizer(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Callable[[dict], dict]:
+    """A batched map function: --text_column -> token ids, EOS after each document (not between lines of a .txt)."""
     text_column = args.text_column
     append_eos = tokenizer.eos_token_id is not None and not (args.train_file or "").endswith(".txt")
 
-    def tokenize(batch):
+    def tokenize(batch: dict) -> dict:
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [tokenizer.eos_token_id] for x in ids] if append_eos else ids}
 
-    def pack(batch):
+    return tokenize
+
+
+def block_packer(block_size: int) -> Callable[[dict], dict]:
+    """A batched map function: concatenate the batch's token ids into `block_size` blocks with labels (the tail
+    shorter than a block is dropped, as Hugging Face's run_clm does)."""
+
+    def pack(batch: dict) -> dict:
         flat = list(chain.from_iterable(batch["input_ids"]))
         usable = len(flat) // block_size * block_size
         blocks = [flat[i:i + block_size] for i in range(0, usable, block_size)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
+    return pack
+
+
+def tokenize_and_pack(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict,
+                      tokenizer: PreTrainedTokenizerBase, block_size: int) -> DatasetDict:
+    """Tokenize every row (EOS after each document) and concatenate into `block_size` blocks with labels.
+
+    Runs on the main process first so the other processes load the result from the datasets cache.
+    The tail shorter than a block in each map batch is dropped.
+    """
+    tokenize, pack = document_tokenizer(args, tokenizer), block_packer(block_size)
     with accelerator.main_process_first():
         tokenized = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
                             remove_columns=raw["train"].column_names, desc="Tokenizing")

@@ -142,7 +142,7 @@ class StepLog:
     summing it over the rows of `metrics.jsonl` gives the run's total, across resumes too.
     """
 
-    def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int,
+    def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int | None,
                  logging_steps: int, flops_per_token: float | None = None) -> None:
         self.accelerator, self.total_steps, self.steps_per_epoch = accelerator, total_steps, steps_per_epoch
         self.logging_steps, self.flops_per_token = logging_steps, flops_per_token
@@ -199,7 +199,7 @@ class StepLog:
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work
         tokens_per_second, _ = self.throughput.report()
-        row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4),
+        row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None,
                "loss": self.loss_sum / self.loss_steps if self.loss_steps else None, "lr": lr, "grad_norm": norm,
                "skipped_nonfinite_steps": self.skipped,
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),

@@ -56,3 +56,25 @@ def optimizer_step_windows(dataloader, progress: TrainingProgress, steps_per_epo
         if progress.step != (epoch + 1) * steps_per_epoch:  # else the next pass would resume at the same place
             raise RuntimeError(f"epoch {epoch} ended after optimizer step {progress.step}; "
                                f"{steps_per_epoch} steps per epoch were expected")
+
+
+def stream_step_windows(stream, progress: TrainingProgress, total_steps: int,
+                        accumulation_steps: int) -> Iterator[list[dict]]:
+    """`optimizer_step_windows` for an unsized loader that keeps its own place (`common/streaming.StreamingLoader`).
+
+    Each iteration of `stream` is one pass (the rest of one, after a resume); passes follow each other until
+    `total_steps`. Two passes in a row without a full window mean the stream is too short for one optimizer step.
+    """
+    empty_passes = 0
+    while progress.step < total_steps:
+        windows = 0
+        for window in accumulation_windows(stream, accumulation_steps):
+            windows += 1
+            progress.step += 1
+            yield window
+            if progress.step >= total_steps:
+                return
+        empty_passes = 0 if windows else empty_passes + 1
+        if empty_passes == 2:  # the first may be the finished pass a checkpoint was taken at
+            fail(f"a pass over this process's stream holds fewer than one optimizer step "
+                 f"({stream.batch_size} x {accumulation_steps} accumulation blocks)")

@@ -127,6 +127,8 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
         "bf16_compile": {"flags": half + ["--torch_compile"] + (["--optim", "adamw_torch_fused"] if cuda else [])},
         "combined": {"flags": accumulate + ["--gradient_checkpointing"] + half + ["--optim", "adamw_8bit"]},
         "plain_pytorch": {"flags": [], "skip": None if pretraining else f"plain_loop.py mirrors {PRETRAIN} only"},
+        # The corpus tokenized and packed on the fly while training (baseline: tokenized up front, cached).
+        "streaming": {"flags": ["--streaming"], "skip": None if pretraining else f"--streaming is a {PRETRAIN} flag"},
     }
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
     import yaml

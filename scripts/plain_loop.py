@@ -26,6 +26,7 @@ from transformers import default_data_collator, get_scheduler, set_seed
 
 from common.args import parse_pretraining_args  # same flags and checks as the job it mirrors
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.errors import fail
 from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
                             write_all_results)
 from common.modeling import build_causal_lm, check_block_size, count_parameters, load_config
@@ -35,6 +36,8 @@ from common.runtime import use_all_cores
 
 def main() -> None:
     args = parse_pretraining_args(description=__doc__.split("\n")[0])
+    if args.streaming:
+        fail("--streaming is a scripts/pretrain_llama.py feature; this reference loop reads the map-style corpus")
     config = load_config(args)
     check_block_size(config, args.block_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -37,7 +37,8 @@ from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
 from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
 from common.runtime import build_accelerator, finishing, init_trackers
-from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.steps import count_optimizer_steps, optimizer_step_windows, stream_step_windows
+from common.streaming import load_streaming_data
 
 logger = get_logger(__name__)
 
@@ -72,9 +73,13 @@ def train(args, config, accelerator) -> None:
     run = RunRecord(args, "pretrain_llama", accelerator.num_processes, config)  # a resume that disagrees stops here
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
-    tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator)
-    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
-                                                         args.max_steps, args.num_train_epochs, unit="blocks")
+    if args.streaming:  # no length: --max_steps long; epochs are passes over each process's share of the stream
+        tokenizer, train_dataloader, eval_dataloader = load_streaming_data(args, accelerator)
+        steps_per_epoch, total_steps = None, args.max_steps
+    else:
+        tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator)
+        steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
+                                                             args.max_steps, args.num_train_epochs, unit="blocks")
     run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
@@ -90,8 +95,9 @@ def train(args, config, accelerator) -> None:
     progress = track_progress(accelerator)
     resume(accelerator, args.resume_from_checkpoint, progress, run)
     init_trackers(accelerator, args, "pretrain_llama")
+    blocks = "a stream of" if args.streaming else len(train_dataloader.dataset)
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
-                f"{len(train_dataloader.dataset)} training blocks of {args.block_size} tokens, {steps_per_epoch} "
+                f"{blocks} training blocks of {args.block_size} tokens, {steps_per_epoch or 'unknown'} "
                 f"optimizer steps per epoch, {total_steps} in all; global batch "
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes} sequences")
 
@@ -102,7 +108,9 @@ def train(args, config, accelerator) -> None:
     catch_stop_signals()  # from here on SIGTERM/SIGINT/SIGUSR1 end the run after the current step, with a checkpoint
     train_start = time.perf_counter()
     model.train()
-    for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
+    windows = (stream_step_windows(train_dataloader, progress, total_steps, ga) if args.streaming else
+               optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga))
+    for window in windows:
         lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # real label tokens in the window, all processes
         for batch in window:

@@ -1,0 +1,176 @@
+"""`--streaming`: the corpus read as a `datasets` IterableDataset, tokenized and packed on the fly, resumable exactly.
+
+Nothing is tokenized up front and nothing goes to the datasets cache. Each process takes its own share of the
+documents (whole shards when their number divides by the process count, else every N-th document), tokenizes and
+packs it with the map-style path's functions (`common/data.py`), and batches it with torchdata's
+StatefulDataLoader. One pass over a process's share is one epoch of that process. Documents come in stream order,
+every pass: `datasets` does not checkpoint a shuffle buffer's content (a resume would drop it), so there is no
+shuffle buffer; shuffle the corpus beforehand.
+
+Exact resume: every checkpoint holds, per process, `stream_position_rank<R>.json` — the pass number and the
+StatefulDataLoader's state (the `datasets` stream's position, down to the document inside a map batch). The traps
+avoided (measured, see README "Streaming corpora"): the stream is split once (here; accelerate would split it
+again when the loader goes through `accelerator.prepare`), and the loader's state is not left to `save_state`
+(which writes one file that every rank overwrites).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
+from datasets import Dataset, IterableDataset, IterableDatasetDict, load_dataset
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import PreTrainedTokenizerBase, default_data_collator
+
+from common.args import DATA_EXTENSIONS
+from common.data import block_packer, build_default_corpus, document_tokenizer, get_tokenizer
+from common.errors import fail
+
+TOKENIZER_SAMPLE_DOCUMENTS = 10_000  # a tokenizer trained here learns from the stream's first documents
+DEFAULT_EVAL_DOCUMENTS = 1_000       # held-out documents when --max_eval_samples is not given
+
+
+def load_streams(args: argparse.Namespace) -> tuple[IterableDataset, IterableDataset]:
+    """(train, validation) document streams from the hub, local files or the embedded default corpus."""
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name, streaming=True)
+    else:
+        files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
+        if getattr(args, "validation_file", None):
+            files["validation"] = args.validation_file
+        builder = DATA_EXTENSIONS[os.path.splitext(files["train"])[1].lower()]
+        raw = load_dataset(builder, data_files=files, streaming=True,
+                           **({"keep_linebreaks": True} if builder == "text" else {}))
+    if "train" not in raw:
+        fail(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
+    return split_streams(raw, args)
+
+
+def split_streams(raw: IterableDatasetDict, args: argparse.Namespace) -> tuple[IterableDataset, IterableDataset]:
+    """(train, validation): at most --max_eval_samples validation documents, at most --max_train_samples training.
+
+    Without a validation split, --validation_split_percentage of the training documents are held out, chosen by a
+    hash of their text: the choice depends on no position, so it holds however the stream is later split.
+    """
+    train, validation = raw["train"], raw.get("validation")
+    if validation is None:
+        if args.validation_split_percentage <= 0:
+            fail("no validation data: pass --validation_file or a --validation_split_percentage > 0")
+        text, percent = args.text_column, args.validation_split_percentage
+        validation = train.filter(lambda row: held_out(row[text], percent))
+        train = train.filter(lambda row: not held_out(row[text], percent))
+    validation = validation.take(args.max_eval_samples or DEFAULT_EVAL_DOCUMENTS)
+    if args.max_train_samples:
+        train = train.take(args.max_train_samples)
+    return train, validation
+
+
+def held_out(text: str, percent: int) -> bool:
+    """Whether a document without a validation split is held out for validation (stable across runs and machines)."""
+    return int(hashlib.md5(text.encode()).hexdigest(), 16) % 100 < percent
+
+
+def packed_blocks(documents: IterableDataset, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
+                  block_size: int) -> IterableDataset:
+    """Documents -> token ids (EOS after each) -> `block_size` blocks with labels, lazily, as the map-style path."""
+    return (documents.select_columns([args.text_column])
+            .map(document_tokenizer(args, tokenizer), batched=True, remove_columns=[args.text_column])
+            .map(block_packer(block_size), batched=True))
+
+
+def process_share(train: IterableDataset, rank: int, world_size: int) -> IterableDataset:
+    """This process's documents: each document goes to exactly one process per pass, before any tokenizing.
+
+    Whole shards when their number divides by the process count; else every `world_size`-th document. (For the
+    latter, `split_dataset_by_node` strides over what comes out of the whole pipeline: every process would tokenize
+    every document and keep every N-th packed block.)
+    """
+    if world_size == 1:
+        return train
+    if train.n_shards % world_size == 0:
+        return split_dataset_by_node(train, rank=rank, world_size=world_size)
+    return train.filter(lambda _, index: index % world_size == rank, with_indices=True)
+
+
+def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator,
+                     train: IterableDataset) -> PreTrainedTokenizerBase:
+    """--tokenizer_name / the model's tokenizer; else a BPE tokenizer trained on the stream's first documents."""
+    if args.tokenizer_name or args.model_name_or_path:
+        return get_tokenizer(args, accelerator, {})
+    texts = [row[args.text_column] for row in train.take(TOKENIZER_SAMPLE_DOCUMENTS)]
+    return get_tokenizer(args, accelerator, {"train": Dataset.from_dict({args.text_column: texts})})
+
+
+class StreamingLoader:
+    """This process's packed blocks as batches on its device, with its place in the stream saved per process.
+
+    Not a DataLoader on purpose: `accelerator.prepare` passes it through untouched (it would split the stream a
+    second time, and `save_state` would save one rank's position for all). `epoch` counts this process's completed
+    passes; the checkpoint hooks save and restore it together with the loader's state.
+    """
+
+    def __init__(self, accelerator: Accelerator, loader: StatefulDataLoader) -> None:
+        # Already this process's share: prepared as one process (device placement only, no second split).
+        self.loader = prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
+                                          put_on_device=True, dispatch_batches=False, use_stateful_dataloader=True)
+        self.batch_size, self.epoch = loader.batch_size, 0
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        accelerator.register_save_state_pre_hook(self._save)
+        accelerator.register_load_state_pre_hook(self._load)
+
+    def __iter__(self) -> Iterator[dict]:
+        """One pass (the rest of it, after a resume); `epoch` advances when it ends."""
+        yield from self.loader
+        self.epoch += 1
+
+    def _path(self, checkpoint_dir: str) -> str:
+        return os.path.join(checkpoint_dir, f"stream_position_rank{self.rank}.json")
+
+    def _save(self, models, weights, checkpoint_dir: str) -> None:
+        state = {"epoch": self.epoch, "world_size": self.world_size, "loader": self.loader.state_dict()}
+        with open(self._path(checkpoint_dir), "w") as f:
+            json.dump(state, f)
+
+    def _load(self, models, checkpoint_dir: str) -> None:
+        path = self._path(checkpoint_dir)
+        if not os.path.isfile(path):
+            fail(f"{checkpoint_dir} holds no stream position for process {self.rank}: resume a --streaming run "
+                 "from a --streaming checkpoint, with the same number of processes")
+        with open(path) as f:
+            state = json.load(f)
+        if state["world_size"] != self.world_size:
+            fail(f"{checkpoint_dir} was saved by {state['world_size']} processes, this run has {self.world_size}: "
+                 "a stream's per-process positions resume only at the same process count")
+        if state["loader"].get("_iterator_finished"):  # saved at the end of a pass: the next one starts afresh
+            self.epoch = state["epoch"] + 1  # (a loader with workers would otherwise replay the finished pass)
+        else:
+            self.epoch = state["epoch"]
+            self.loader.load_state_dict(state["loader"])
+
+
+def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator
+                        ) -> tuple[PreTrainedTokenizerBase, StreamingLoader, DataLoader]:
+    """(tokenizer, this process's training stream, eval dataloader over the held-out blocks kept in memory)."""
+    train, validation = load_streams(args)
+    tokenizer = stream_tokenizer(args, accelerator, train)
+    eval_blocks = list(packed_blocks(validation, args, tokenizer, args.block_size))
+    if not eval_blocks:
+        fail(f"the held-out documents hold fewer than --block_size={args.block_size} tokens; use more data, a "
+             "larger --max_eval_samples or a smaller --block_size")
+    share = process_share(train, accelerator.process_index, accelerator.num_processes)
+    loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
+                         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    train_loader = StreamingLoader(accelerator, StatefulDataLoader(
+        packed_blocks(share, args, tokenizer, args.block_size), batch_size=args.per_device_train_batch_size,
+        **loader_kwargs))
+    eval_loader = DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+    return tokenizer, train_loader, eval_loader

@@ -1,0 +1,222 @@
+"""`--streaming` (common/streaming.py): each document once per pass over all processes, exact mid-run resume.
+
+Properties:
+- coverage: the processes' shares of the stream partition the documents (each one exactly once, none held out for
+  validation among them), for one file (split document by document) and for two (split by shard); a process's
+  packed blocks are exactly its documents' tokens in order, less the tail shorter than a block;
+- in-process, the stream's loader saved after any batch of a pass (the last one too) and restored into a new one goes
+  on with the uninterrupted batches and passes, with and without loader workers;
+- resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
+  checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
+  crosses a pass boundary after the resume, and the checkpoint holds one stream position per process;
+- a stream position saved by another process count (or none) is one error line on resume, and so is
+  `--streaming` without `--max_steps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_script, train_losses
+
+LOSS_ATOL = 1e-6  # measured: identical (0.0) — the resumed run does the same arithmetic on the same blocks
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+N_DOCS, STOP, STEPS = 100, 3, 9  # ~7 optimizer steps per pass: resumed at step 3, the run crosses into pass 2
+
+
+def document(i: int) -> str:
+    rng = random.Random(i)
+    words = "the model reads tokens and learns to predict the next one from batches of text".split()
+    return f"doc{i} " + " ".join(rng.choice(words) for _ in range(rng.randint(10, 60)))
+
+
+def write_docs(path: str, ids: range) -> None:
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": document(i)}) + "\n" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def stream_corpus(tmp_path_factory) -> dict[str, str]:
+    """Documents `doc<i> ...` in one train file, the same split over two files, a validation file, a tokenizer."""
+    from common.data import train_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("stream")
+    paths = {name: str(d / f"{name}.jsonl") for name in ("train", "part0", "part1", "validation")}
+    write_docs(paths["train"], range(N_DOCS))
+    write_docs(paths["part0"], range(0, N_DOCS // 2))
+    write_docs(paths["part1"], range(N_DOCS // 2, N_DOCS))
+    write_docs(paths["validation"], range(N_DOCS, N_DOCS + 20))
+    with open(paths["train"]) as f:
+        train_bpe_tokenizer([json.loads(line)["text"] for line in f], vocab_size=512).save_pretrained(str(d / "tok"))
+    paths["tokenizer"] = str(d / "tok")
+    return paths
+
+
+def stream_args(**overrides) -> argparse.Namespace:
+    values = dict(dataset_name=None, train_file=None, validation_file=None, text_column="text", max_eval_samples=None,
+                  max_train_samples=None, cache_dir=None, validation_split_percentage=20)
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def doc_ids(documents) -> list[int]:
+    return [int(row["text"].split()[0][3:]) for row in documents]
+
+
+@pytest.mark.parametrize("files", [["train"], ["part0", "part1"]], ids=["one-file", "two-shards"])
+def test_each_document_once_per_pass(stream_corpus, files):
+    from datasets import load_dataset
+
+    from common.streaming import process_share
+
+    stream = load_dataset("json", data_files=[stream_corpus[f] for f in files], streaming=True)["train"]
+    shares = [doc_ids(process_share(stream, rank, 2)) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(N_DOCS))  # every document once, over both processes
+    assert min(len(s) for s in shares) >= N_DOCS // 2 - 1
+
+
+def test_held_out_documents_are_not_trained_on(stream_corpus):
+    from datasets import load_dataset
+
+    from common.streaming import load_streams, process_share, split_streams
+
+    _, validation = load_streams(stream_args(train_file=stream_corpus["train"]))  # 20 % held out, by hash
+    held = doc_ids(validation)
+    assert 10 <= len(held) <= 30
+    for files in (["train"], ["part0", "part1"]):  # then split by document, and by shard
+        raw = load_dataset("json", data_files={"train": [stream_corpus[f] for f in files]}, streaming=True)
+        train, _ = split_streams(raw, stream_args())
+        trained = [i for rank in range(2) for i in doc_ids(process_share(train, rank, 2))]
+        assert not set(held) & set(trained) and sorted(held + trained) == list(range(N_DOCS))
+    train, validation = load_streams(stream_args(train_file=stream_corpus["train"],
+                                                 validation_file=stream_corpus["validation"]))
+    assert doc_ids(train) == list(range(N_DOCS)) and doc_ids(validation) == list(range(N_DOCS, N_DOCS + 20))
+
+
+def test_blocks_are_the_share_tokens_in_order(stream_corpus):
+    from transformers import AutoTokenizer
+
+    from common.streaming import load_streams, packed_blocks, process_share
+
+    args = stream_args(train_file=stream_corpus["train"], validation_file=stream_corpus["validation"])
+    tokenizer = AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
+    train, _ = load_streams(args)
+    for rank in range(2):
+        share = process_share(train, rank, 2)
+        tokens = [t for row in share for t in tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]]
+        rows = list(packed_blocks(share, args, tokenizer, 64))
+        assert all(row["labels"] == row["input_ids"] for row in rows)
+        blocks = [row["input_ids"] for row in rows]
+        assert [t for b in blocks for t in b] == tokens[:len(blocks) * 64] and len(tokens) - len(blocks) * 64 < 64
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_at_every_batch(stream_corpus, tmp_path, workers):
+    """In-process: stopped after any batch of a pass (the last one too), saved and restored into a new loader, the
+    stream goes on with the uninterrupted sequence of batches and passes (two shards, so two workers both read)."""
+    from accelerate import Accelerator
+    from datasets import load_dataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import AutoTokenizer, default_data_collator
+
+    from common.streaming import StreamingLoader, packed_blocks
+
+    accelerator, tokenizer = Accelerator(cpu=True), AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
+    docs = load_dataset("json", data_files=[stream_corpus["part0"], stream_corpus["part1"]], streaming=True)["train"]
+    args = stream_args(train_file=stream_corpus["part0"])
+
+    def new_stream() -> StreamingLoader:
+        blocks = packed_blocks(docs, args, tokenizer, 64)
+        return StreamingLoader(accelerator, StatefulDataLoader(blocks, batch_size=4, num_workers=workers,
+                                                               collate_fn=default_data_collator))
+
+    def passes(stream: StreamingLoader, count: int) -> list[list[list[list[int]]]]:
+        return [[batch["input_ids"].tolist() for batch in stream] for _ in range(count)]
+
+    want = passes(new_stream(), 2)
+    n = len(want[0])
+    for k in (1, n // 2, n - 1, n):
+        stream = new_stream()
+        batches = iter(stream)
+        for _ in range(k):
+            next(batches)
+        stream._save([], [], str(tmp_path))
+        resumed = new_stream()
+        resumed._load([], str(tmp_path))
+        got = [[], *passes(resumed, 1)] if k == n else passes(resumed, 2)
+        assert got[0] == want[0][k:] and got[1] == want[1] and resumed.epoch == 2, k
+
+
+def launcher(processes: int) -> list[str]:
+    config = os.path.join(ROOT, "accelerate_configs", f"cpu_{processes}proc.yaml")
+    return [ACCELERATE, "launch", "--config_file", config, "--num_processes", str(processes), "--main_process_port",
+            "0"]
+
+
+def train_stream(stream_corpus, output_dir, processes: int, *extra: str) -> None:
+    run_script("pretrain_llama.py", "--streaming", "--model_preset", "tiny", "--tokenizer_name",
+               stream_corpus["tokenizer"], "--train_file", stream_corpus["train"], "--validation_file",
+               stream_corpus["validation"], "--block_size", "64", "--output_dir", str(output_dir),
+               "--cache_dir", str(output_dir) + "-cache", "--max_steps", str(STEPS), "--logging_steps", "1",
+               "--per_device_train_batch_size", str(4 // processes), "--gradient_accumulation_steps", "2",
+               "--mixed_precision", "no", "--sample_max_new_tokens", "0", *extra, launcher=launcher(processes))
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_resume_equals_uninterrupted(stream_corpus, tmp_path, processes):
+    full = tmp_path / "full"
+    train_stream(stream_corpus, full, processes, "--checkpointing_steps", str(STOP), "--save_total_limit", "9")
+    checkpoint = full / "checkpoints" / f"step_{STOP}"
+    # one position per process (save_state alone writes one loader state, rank 0's, for all)
+    positions = [json.loads((checkpoint / f"stream_position_rank{r}.json").read_text()) for r in range(processes)]
+    assert [p["epoch"] for p in positions] == [0] * processes  # stopped inside the first pass
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(checkpoint, resumed / "checkpoints" / f"step_{STOP}")
+    train_stream(stream_corpus, resumed, processes, "--resume_from_checkpoint", "latest")
+    want, got = train_losses(str(full)), train_losses(str(resumed))
+    assert sorted(got) == list(range(STOP + 1, STEPS + 1))
+    assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    passes = [json.loads((full / "checkpoints" / f"step_{STEPS - STEPS % STOP}" / f"stream_position_rank{r}.json")
+                         .read_text())["epoch"] for r in range(processes)]
+    assert min(passes) >= 1  # the resumed stretch crossed into the second pass
+
+
+def test_position_saved_by_another_process_count_is_refused(tmp_path, capsys):
+    from accelerate import Accelerator
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from common.streaming import StreamingLoader
+
+    stream = StreamingLoader(Accelerator(cpu=True), StatefulDataLoader([{"input_ids": [i]} for i in range(8)]))
+    with pytest.raises(SystemExit) as missing:
+        stream._load([], str(tmp_path))
+    stream._save([], [], str(tmp_path))
+    path = tmp_path / "stream_position_rank0.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "world_size": 2}))
+    with pytest.raises(SystemExit) as other_count:
+        stream._load([], str(tmp_path))
+    assert missing.value.code == other_count.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path} holds no stream position for process 0: resume a --streaming run from a --streaming "
+        "checkpoint, with the same number of processes",
+        f"error: {tmp_path} was saved by 2 processes, this run has 1: a stream's per-process positions resume only "
+        "at the same process count"]
+
+
+def test_streaming_needs_max_steps(stream_corpus, tmp_path):
+    proc = run_script("pretrain_llama.py", "--streaming", "--train_file", stream_corpus["train"], "--output_dir",
+                      str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --streaming needs --max_steps: a stream has no length to count epochs in"]
