@@ -134,15 +134,15 @@ def test_fsdp1_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_
     assert capsys.readouterr().err.strip().startswith("error: FSDP on CPU needs FSDP2")
 
 
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processes):
+@pytest.mark.parametrize("num_processes, quiet", [(1, False), (1, True), (2, False)])
+def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processes, quiet):
     """The README's `accelerate launch`: one process meets a bad flag before the process group exists, two processes
     a bad row once it does. Each prints the line once (not once per process). The launcher then adds its own report
-    and exits with status 1 whatever the script's status (accelerate 1.15); after a multi-process run that report
-    names the line as the root cause."""
+    and exits with status 1 whatever the script's status (accelerate 1.15), except with `--quiet` on one process, where
+    the line is the last one printed; after a multi-process run the report names the line as the root cause."""
     config = "cpu_2proc.yaml" if num_processes == 2 else "cpu_1proc.yaml"
-    launch = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
-              os.path.join(ROOT, "accelerate_configs", config), "--num_processes", str(num_processes),
+    launch = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", *(["--quiet"] if quiet else []),
+              "--config_file", os.path.join(ROOT, "accelerate_configs", config), "--num_processes", str(num_processes),
               "--main_process_port", "0"]
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "a"}\n{"text": "b"\n')
@@ -153,7 +153,9 @@ def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processe
     proc = run_script("pretrain_llama.py", *bad, "--output_dir", str(tmp_path / "out"), launcher=launch, check=False)
     lines = proc.stderr.splitlines()
     assert [line for line in lines if line.startswith("error:")] == [expected], proc.stderr[-3000:]
-    assert proc.returncode != 0
+    assert proc.returncode == 1 and not (tmp_path / "out" / "metrics.jsonl").exists()
+    if quiet:
+        assert lines[-1] == expected and proc.stdout.strip() == "", proc.stderr[-3000:]
     if num_processes == 2:
         root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
         assert f"traceback : {expected}" in root_cause
