@@ -222,7 +222,7 @@ def metrics_rows_at(output_dir: str, step: int) -> int | None:
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_total_limit: int | None,
-                    run: RunRecord) -> str:
+                    run: RunRecord | None = None) -> str:
     """Save the full training state (model, optimizer, scheduler, RNG, progress) and the run's record on all ranks,
     publish it as `checkpoints/step_N`, then prune the oldest complete ones beyond `save_total_limit`.
 
@@ -244,7 +244,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         fail(disk_full_message(output_dir, step))
     accelerator.wait_for_everyone()  # every rank has written its part
     if accelerator.is_main_process:
-        run.write(partial)
+        if run is not None:  # the scripts always record their run
+            run.write(partial)
         publish(partial, path, {"step": step, "metrics_rows": count_rows(os.path.join(output_dir, METRICS_FILE))})
         for old in complete_checkpoints(output_dir)[:-save_total_limit] if save_total_limit else []:
             discard(old)
