@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType
 
 from common.divergence import refuse_nonfinite_weights
 from common.errors import fail, fail_on_every_rank
+from common.steps import TrainingProgress
 
 logger = get_logger(__name__)
 CHECKPOINT_DIR = "checkpoints"
@@ -37,26 +38,6 @@ DATA_FLAGS = ("block_size", "max_seq_length", "max_train_samples", "validation_s
               "completion_column", "messages_column", "group_by_length", "tokenizer_vocab_size")
 MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
-
-
-class TrainingProgress:
-    """Optimizer steps done; registered with `accelerator.register_for_checkpointing` so it travels with the state."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-
-
-def track_progress(accelerator: Accelerator) -> TrainingProgress:
-    """A step counter that every checkpoint saves and every resume restores (register once per Accelerator)."""
-    progress = TrainingProgress()
-    accelerator.register_for_checkpointing(progress)
-    return progress
 
 
 class RunRecord:

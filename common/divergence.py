@@ -29,7 +29,7 @@ from accelerate.logging import get_logger
 from common.errors import StopTraining
 
 if TYPE_CHECKING:
-    from common.checkpoint import TrainingProgress
+    from common.steps import TrainingProgress
 
 logger = get_logger(__name__)
 DIVERGED_STATUS = 3  # the run diverged: too many non-finite steps in a row, or non-finite weights about to be saved

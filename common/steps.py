@@ -1,4 +1,5 @@
-"""The optimizer-step bookkeeping every training loop shares: how many steps, and which micro-batches each one gets.
+"""The optimizer-step bookkeeping every training loop shares: where the run stands (`TrainingProgress`, saved in every
+checkpoint), how many steps, and which micro-batches each one gets.
 
 `optimizer_step_windows` hands the loop one window of `gradient_accumulation_steps` micro-batches per optimizer
 step, from where the run stands (`progress.step`, restored by a resume) to `total_steps`: it reseeds each epoch's
@@ -12,12 +13,31 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from accelerate import skip_first_batches
+from accelerate import Accelerator, skip_first_batches
 from torch.utils.data import DataLoader
 
 from common.accumulation import accumulation_windows
-from common.checkpoint import TrainingProgress
 from common.errors import fail
+
+
+class TrainingProgress:
+    """Optimizer steps done; registered with `accelerator.register_for_checkpointing` so it travels with the state."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def track_progress(accelerator: Accelerator) -> TrainingProgress:
+    """A step counter that every checkpoint saves and every resume restores (register once per Accelerator)."""
+    progress = TrainingProgress()
+    accelerator.register_for_checkpointing(progress)
+    return progress
 
 
 def count_optimizer_steps(dataloader: DataLoader, accumulation_steps: int, num_processes: int, max_steps: int,

@@ -36,7 +36,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
 from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import RunRecord, export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, export_model, resume, save_checkpoint
 from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
 from common.divergence import NonFiniteGuard
 from common.errors import fail
@@ -47,7 +47,7 @@ from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
 from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
 from common.runtime import build_accelerator, finishing, init_trackers
-from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.steps import count_optimizer_steps, optimizer_step_windows, track_progress
 
 logger = get_logger(__name__)
 

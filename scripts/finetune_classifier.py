@@ -32,7 +32,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import RunRecord, TrainingProgress, export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, export_model, resume, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets
 from common.divergence import NonFiniteGuard
 from common.errors import fail
@@ -43,7 +43,7 @@ from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
 from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
 from common.runtime import build_accelerator, finishing, init_trackers
-from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
 
 logger = get_logger(__name__)
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 
 from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
 from common.args import parse_pretraining_args
-from common.checkpoint import RunRecord, export_model, resume, save_checkpoint, track_progress
+from common.checkpoint import RunRecord, export_model, resume, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.divergence import NonFiniteGuard
 from common.evaluation import evaluate_causal_lm
@@ -37,7 +37,7 @@ from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
 from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
 from common.runtime import build_accelerator, finishing, init_trackers
-from common.steps import count_optimizer_steps, optimizer_step_windows, stream_step_windows
+from common.steps import count_optimizer_steps, optimizer_step_windows, stream_step_windows, track_progress
 from common.streaming import load_streaming_data
 
 logger = get_logger(__name__)

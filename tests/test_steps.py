@@ -10,8 +10,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
-from common.checkpoint import TrainingProgress
-from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows
 
 EXAMPLES, BATCH, ACCUMULATION = 22, 2, 2  # 11 micro-batches: 5 optimizer steps per epoch, one micro-batch left over
 
