@@ -182,12 +182,13 @@ def test_accumulation_processes_and_packing_give_the_same_weights(sft):
 
 
 def test_zero3_run_ends_like_the_one_process_run(sft):
-    """ZeRO-3 over 2 processes x 2 x 2 (parameters partitioned) with the default end of run: the same losses, final
-    evaluation and exported weights as one process with 8, and the full parameter counts."""
+    """ZeRO-3 over 2 processes x 2 x 2 (parameters partitioned), packed, with the default end of run: the same losses,
+    final evaluation and exported weights as one unpacked process with 8, and the full parameter counts. (The packing
+    check runs on the partitioned model, the processes gathering its parameters together.)"""
     d = sft["dir"]
     reference = finetune(sft, f"{d}/zero3_reference", "--per_device_train_batch_size", "8")
     zero3 = finetune(sft, f"{d}/zero3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                     launcher=launcher("deepspeed_zero3.yaml"))
+                     "--packing", launcher=launcher("deepspeed_zero3.yaml"))
     results = {}
     for name, out in (("zero3", zero3), ("reference", reference)):
         with open(os.path.join(out, "all_results.json")) as f:
@@ -197,9 +198,30 @@ def test_zero3_run_ends_like_the_one_process_run(sft):
         assert results["zero3"][key] == results["reference"][key], key
     assert results["zero3"]["eval_loss"] == pytest.approx(results["reference"]["eval_loss"], rel=1e-5)
     assert train_losses(zero3) == pytest.approx(train_losses(reference), abs=1e-5)
+    assert all(r["padding_fraction"] == 0.0 for r in read_metrics(zero3) if "loss" in r)
     difference = max_difference(weights(zero3), weights(reference))
     print(f"ZeRO-3: {results['zero3']['num_parameters']} parameters, max weight difference {difference:.1e}")
     assert difference < WEIGHT_TOL
+
+
+def test_packing_check_refuses_a_model_whose_packed_examples_attend_to_each_other(sft, capsys):
+    """The check before a packed run: the script's model passes; one that ignores the position ids (so nothing marks
+    where a packed example starts) is stopped with one line, on the prepared model as the script calls it."""
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    class IgnoresPositions(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            return super().forward(input_ids=input_ids, **kwargs)
+
+    check_packing = load_script("finetune_causal_lm").check_packing
+    accelerator = Accelerator(cpu=True)
+    check_packing(accelerator, accelerator.prepare(LlamaForCausalLM.from_pretrained(sft["model"])))
+    with pytest.raises(SystemExit) as stopped:
+        check_packing(accelerator, accelerator.prepare(IgnoresPositions.from_pretrained(sft["model"])))
+    assert stopped.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: --packing: IgnoresPositions with attn_implementation=sdpa lets packed examples")
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
