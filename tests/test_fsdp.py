@@ -143,12 +143,13 @@ def finetune_args(sft: dict, out, per_device_batch: int, *extra: str) -> list[st
 def test_finetune_two_processes_match_one_and_resume_on_one(sft, tmp_path):  # noqa: F811 (sft is a fixture)
     reference_dir, two, resumed = tmp_path / "one_process", tmp_path / "two_processes", tmp_path / "resumed_on_1"
     run_script("finetune_causal_lm.py", *finetune_args(sft, reference_dir, 4), launcher=cpu_1proc_launcher())
-    run_script("finetune_causal_lm.py", *finetune_args(sft, two, 2, "--checkpointing_steps", "2"),
+    # packed (the packing check runs on the sharded model) against one unpadded process: the same examples per step
+    run_script("finetune_causal_lm.py", *finetune_args(sft, two, 2, "--checkpointing_steps", "2", "--packing"),
                launcher=fsdp_launcher(2))
     print(f"sft fsdp2 2 processes vs 1: "
           f"{compare_runs(two, reference_dir, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
     assert_sharded_checkpoint(two / "checkpoints" / "step_2")
-    run_script("finetune_causal_lm.py", *finetune_args(sft, resumed, 4, "--resume_from_checkpoint",
+    run_script("finetune_causal_lm.py", *finetune_args(sft, resumed, 4, "--packing", "--resume_from_checkpoint",
                                                        str(two / "checkpoints" / "step_2")), launcher=fsdp_launcher(1))
     print(f"sft resumed on 1 process vs uninterrupted: "
           f"{compare_runs(resumed, two, (3, 4), RESUME_RTOL, GRAD_NORM_RTOL, RESUME_RTOL)}")
