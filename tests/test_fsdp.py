@@ -143,7 +143,7 @@ def finetune_args(sft: dict, out, per_device_batch: int, *extra: str) -> list[st
 def test_finetune_two_processes_match_one_and_resume_on_one(sft, tmp_path):  # noqa: F811 (sft is a fixture)
     reference_dir, two, resumed = tmp_path / "one_process", tmp_path / "two_processes", tmp_path / "resumed_on_1"
     run_script("finetune_causal_lm.py", *finetune_args(sft, reference_dir, 4), launcher=cpu_1proc_launcher())
-    # packed (the packing check runs on the sharded model) against one unpadded process: the same examples per step
+    # packed (the packing check runs on the sharded model) against one unpacked process: the same examples per step
     run_script("finetune_causal_lm.py", *finetune_args(sft, two, 2, "--checkpointing_steps", "2", "--packing"),
                launcher=fsdp_launcher(2))
     print(f"sft fsdp2 2 processes vs 1: "

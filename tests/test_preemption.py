@@ -3,12 +3,12 @@
 Stop signals: a run is signalled once it has logged optimizer step STOP_AT. To make "the step the signal lands in"
 deterministic on a busy machine, the trainers are paused (SIGSTOP) while the signal is sent and resumed (SIGCONT)
 right after: the signal is then handled during the step after the last one logged (k) at the latest, so the
-checkpoint is at k or k + 1. Properties: one checkpoint at that step, every process gone within GONE_WITHIN_S seconds, the documented
-exit status, the one log line naming the checkpoint and the flag, and a checkpoint equal to the uninterrupted run's
-at that step (weights and Adam state within 1e-6). Where the signal went to the launcher's process group the run is
-also resumed from it (`latest`) and equals the uninterrupted run: losses at every step and the exported weights
-within 1e-6. (Resuming is the same for every checkpoint: the launcher-only cases, whose checkpoints equal the
-uninterrupted run's, are not resumed again, to keep the suite short.)
+checkpoint is at k or k + 1. Properties: one checkpoint at that step, every process gone within GONE_WITHIN_S
+seconds, the documented exit status, the one log line naming the checkpoint and the flag, and a checkpoint equal to
+the uninterrupted run's at that step (weights and Adam state within 1e-6). Where the signal went to the launcher's
+process group the run is also resumed from it (`latest`) and equals the uninterrupted run: losses at every step and
+the exported weights within 1e-6. (Resuming is the same for every checkpoint: the launcher-only cases, whose
+checkpoints equal the uninterrupted run's, are not resumed again, to keep the suite short.)
 
 Divergence: a learning rate of 1e4 stops the run with one `error:` line and status 3, nothing non-finite is saved,
 the JSON is strict. One non-finite step is produced honestly, by the model and data: a Llama with `rms_norm_eps=0`
