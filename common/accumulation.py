@@ -10,6 +10,10 @@ The fix, as in the transformers Trainer and accelerate's gradient-accumulation g
 3. pass the count as `num_items_in_batch`, so the model's loss is a sum divided by the window's count;
 4. multiply by `gradient_accumulation_steps * num_processes` (`backward_loss`) to cancel accelerate's
    division by the accumulation steps and the data-parallel gradient mean (DDP, DeepSpeed, FSDP).
+
+Step 4 is right only for a model whose loss honours `num_items_in_batch`; one that ignores it (a custom model, or a
+loss that does not take it) would train with gradients that many times too large. `check_loss_honours_num_items`
+stops such a run before its first optimizer step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
+
+from common.errors import fail_on_every_rank
 
 
 def accumulation_windows(dataloader: Iterable[dict], steps: int) -> Iterator[list[dict]]:
@@ -54,3 +60,33 @@ def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float
         return outputs.loss * scale, outputs.loss.detach()
     token_loss = outputs.loss - router_aux_loss_coef * aux
     return token_loss * scale + router_aux_loss_coef * aux, token_loss.detach()
+
+
+@torch.no_grad()
+def check_loss_honours_num_items(model, accelerator: Accelerator, router_aux_loss_coef: float = 0.0) -> None:
+    """Stop (one line, every rank) if the model's loss ignores `num_items_in_batch` while `backward_loss` scales by
+    accumulation x processes; harmless, and not checked, when that scale is 1.
+
+    Two forwards of one probe row with a token count N and 2N: a loss that divides its sum by the count halves.
+    Collective under ZeRO-3/FSDP (all ranks run the same probe); the uncompiled module is used, so a compiled model
+    does not recompile for the probe's shape.
+    """
+    if accelerator.gradient_accumulation_steps * accelerator.num_processes == 1:
+        return
+    module = accelerator.unwrap_model(model, keep_torch_compile=False)
+    ids = (torch.arange(1, 9, device=accelerator.device) % module.config.vocab_size).unsqueeze(0)
+    was_training = module.training
+    module.eval()  # no dropout: both forwards see the same model
+    shares = []
+    for count in (7, 14):  # 7 labels predict something in a row of 8
+        outputs = module(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(count, device=ids.device),
+                         use_cache=False)
+        shares.append(backward_loss(outputs, accelerator, router_aux_loss_coef)[1].float())
+    module.train(was_training)
+    ratio = (shares[0] / shares[1]).item()
+    if not abs(ratio - 2) < 1e-2:
+        scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+        fail_on_every_rank(accelerator, f"{type(module).__name__}'s loss ignores num_items_in_batch (doubling it "
+                           f"changed the loss by x{1 / ratio:.3g}, not x0.5), so its gradients would come out {scale} "
+                           "times too large (accumulation x processes); make its loss a token sum divided by "
+                           "num_items_in_batch, as transformers' ForCausalLMLoss does, or see README 'Copy and adapt'")

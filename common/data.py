@@ -17,16 +17,21 @@ from datasets import DatasetDict, load_dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from common.args import data_format
-from common.checkpoint import TOKENIZER_DIR
+from common.paths import TOKENIZER_DIR
 from common.errors import fail
 from common.modeling import from_pretrained_or_fail
 
 logger = get_logger(__name__)
 
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<pad>"
+DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 DEFAULT_CORPUS_MAX_BYTES = 6_000_000
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+
+
+def data_format(path: str) -> str:
+    """The `datasets` builder that reads a data file (json for both .json and .jsonl)."""
+    return DATA_EXTENSIONS[os.path.splitext(path)[1].lower()]
 
 
 def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> dict[str, str]:
@@ -169,29 +174,31 @@ def train_bpe_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
                                    pad_token=PAD_TOKEN, model_max_length=1_000_000)
 
 
-def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict) -> PreTrainedTokenizerBase:
-    """The fast tokenizer named by --tokenizer_name / the model; else a BPE tokenizer trained on the train split.
+def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict, resume_from: str | None,
+                  vocab_size: int | None = None) -> PreTrainedTokenizerBase:
+    """The fast tokenizer named by --tokenizer_name / the model; else a BPE tokenizer of `vocab_size` trained on the
+    train split.
 
     A trained tokenizer is cached under --cache_dir by a fingerprint of the data and vocab size: later runs reuse it.
     A resumed run takes it from its checkpoint (which carries it), whatever the cache holds.
     """
     name = args.tokenizer_name or args.model_name_or_path
-    carried = os.path.join(args.resume_from_checkpoint or "", TOKENIZER_DIR)
+    carried = os.path.join(resume_from or "", TOKENIZER_DIR)
     if name:
         flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
         tokenizer = from_pretrained_or_fail(partial(AutoTokenizer.from_pretrained, use_fast=True), name, flag)
         if not tokenizer.is_fast:
             fail(f"{name} has only a slow (Python) tokenizer; this script needs a fast one")
-    elif args.resume_from_checkpoint and os.path.isdir(carried):  # the tokenizer the checkpoint was trained with
+    elif resume_from and os.path.isdir(carried):  # the tokenizer the checkpoint was trained with
         tokenizer = AutoTokenizer.from_pretrained(carried)
     else:
-        key = f"{raw['train']._fingerprint}-{args.tokenizer_vocab_size}"
+        key = f"{raw['train']._fingerprint}-{vocab_size}"
         path = os.path.join(args.cache_dir, f"tokenizer-bpe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
         with accelerator.main_process_first():
             if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-                logger.info(f"Training a byte-level BPE tokenizer (vocab {args.tokenizer_vocab_size}) -> {path}")
+                logger.info(f"Training a byte-level BPE tokenizer (vocab {vocab_size}) -> {path}")
                 texts = (batch[args.text_column] for batch in raw["train"].iter(batch_size=1000))
-                train_bpe_tokenizer(texts, args.tokenizer_vocab_size).save_pretrained(path)
+                train_bpe_tokenizer(texts, vocab_size).save_pretrained(path)
             tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:  # collators and generation need one; never trained on (labels are masked)
         tokenizer.pad_token = tokenizer.eos_token

@@ -15,16 +15,16 @@ import warnings
 from common.errors import fail
 
 
-def check_deepspeed_config(args: argparse.Namespace) -> None:
-    """Fail on a DeepSpeed JSON whose fixed values contradict the flags; carry --max_grad_norm into an "auto" one.
+def check_deepspeed_config(args: argparse.Namespace) -> dict | None:
+    """Fail on a DeepSpeed JSON whose fixed values contradict the flags; return the JSON (None: no DeepSpeed JSON).
 
     Does nothing unless `accelerate launch` runs the script under DeepSpeed with a JSON file.
     """
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return
+        return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path == "none":
-        return
+        return None
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -70,10 +70,7 @@ def check_deepspeed_config(args: argparse.Namespace) -> None:
     if "optimizer" in config and args.optim != "adamw_torch":
         warnings.warn(f"--optim {args.optim} is not used: DeepSpeed config {path} defines the optimizer "
                       f"({config['optimizer'].get('type')}; with optimizer offload this is DeepSpeed's CPU Adam)")
-    if found.get("gradient_clipping") == "auto":
-        # accelerate fills an "auto" gradient_clipping with 1.0 whatever the script says; its launcher's own
-        # variable carries the flag instead (0 disables clipping, as without DeepSpeed).
-        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(args.max_grad_norm)
+    return config
 
 
 def _same(value, want) -> bool:

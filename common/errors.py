@@ -1,5 +1,5 @@
-"""How the scripts and `common/` stop a run on purpose: `fail` for bad input (one line, exit 2), `StopTraining` for a
-run that stops early with its own status (a stop signal after its checkpoint, a diverged run)."""
+"""Bad input stops a run with one clear line: `fail` before the processes work together, `fail_on_every_rank` after;
+`report_error` prints such a line for a run that stops with its own status (a diverged run)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,17 @@ def fail_on_every_rank(accelerator: Accelerator, message: str) -> NoReturn:
     Every rank must call it. The barrier keeps the others alive until the line is out: when one rank exits, the
     launcher stops the rest, possibly before their print.
     """
+    report_error(accelerator, message)
+    accelerator.wait_for_everyone()
+    raise SystemExit(2)
+
+
+def report_error(accelerator: Accelerator, message: str) -> None:
+    """The run's one `error: ...` line, printed once (main process) as the last line, and named to the launcher."""
     line = f"error: {message}"
     leave_for_launcher(line)
     if accelerator.is_main_process:
         print_last(line)
-    accelerator.wait_for_everyone()
-    raise SystemExit(2)
 
 
 def print_last(line: str) -> None:
@@ -64,8 +69,3 @@ def leave_for_launcher(line: str) -> None:
                 json.dump({"message": line, "timestamp": int(time.time())}, f)
         except OSError:
             pass  # the report then says "error_file: <N/A>"
-
-
-class StopTraining(SystemExit):
-    """Raised inside the training loop on every rank at once; `common.runtime.finishing` tears the run down cleanly
-    (trackers, process group) and exits with `code`."""

@@ -15,7 +15,8 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from common.checkpoint import LEFTOVER_PREFIX, METRICS_FILE, metrics_rows_at
+from common.checkpoint import metrics_rows_at
+from common.paths import LEFTOVER_PREFIX, METRICS_FILE, RESULTS_FILE
 
 logger = get_logger(__name__)
 
@@ -61,7 +62,7 @@ class Throughput:
         self.start, self.tokens = time.perf_counter(), 0
 
     @contextmanager
-    def paused(self):
+    def untimed(self):
         """Time spent inside (evaluation, checkpointing) does not count as training time."""
         began = time.perf_counter()
         yield
@@ -70,13 +71,12 @@ class Throughput:
     def add(self, tokens: int) -> None:
         self.tokens += tokens
 
-    def report(self) -> tuple[float, float]:
-        """(tokens per second, seconds) since the last call, then restart."""
+    def report(self) -> float:
+        """Tokens per second since the last call, then restart."""
         now = time.perf_counter()
-        seconds = max(now - self.start, 1e-9)
-        rate = self.tokens / seconds
+        rate = self.tokens / max(now - self.start, 1e-9)
         self.start, self.tokens = now, 0
-        return rate, seconds
+        return rate
 
 
 class MetricsWriter:
@@ -113,7 +113,7 @@ class MetricsWriter:
 
 
 def write_all_results(output_dir: str, results: dict) -> None:
-    with open(os.path.join(output_dir, "all_results.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(output_dir, RESULTS_FILE), "w", encoding="utf-8") as f:
         json.dump(strict_json(results), f, indent=2, allow_nan=False)
 
 
@@ -132,14 +132,13 @@ class StepLog:
     """What the training loops log: loss, lr, grad norm, tokens/s, padding, memory (and MFU on known GPUs), with a
     progress bar.
 
-    The contract: for every micro-batch the loop calls `add(loss_share, batch)`, where the shares added for one
-    optimizer step on all processes sum to that step's loss (`common/accumulation.py`'s token shares do); after the
-    step it calls `step(...)` once. The step's loss is reduced over the processes once per step (`step_loss`, which
-    the divergence guard reads before the update); the other figures are summed on the device and reduced only every
-    `logging_steps` and at the last step, when a row goes to `metrics.jsonl` (main process) and to accelerate's
-    trackers. A row's `loss` is the mean over its steps whose loss was finite (null if none was);
-    `skipped_nonfinite_steps` counts its steps whose loss or gradient norm was not (their updates were skipped), so
-    summing it over the rows of `metrics.jsonl` gives the run's total, across resumes too.
+    The loop calls `count_tokens(batch)` for every micro-batch and `step(step, lr, loss, grad_norm)` once per
+    optimizer step, with the step's loss over all processes and its gradient norm as the divergence guard saw them
+    (`common/guard.py`). Token and padding counts stay on the device and are reduced only every `logging_steps` and
+    at the last step, when a row goes to `metrics.jsonl` (main process) and to accelerate's trackers. A row's `loss`
+    is the mean over its steps whose loss was finite (null if none was); `skipped_nonfinite_steps` counts its steps
+    whose loss or gradient norm was not (their updates were skipped), so summing it over the rows of `metrics.jsonl`
+    gives the run's total, across resumes too. Time inside `untimed()` (evaluation, checkpoints) is not training time.
     """
 
     def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int | None,
@@ -148,7 +147,7 @@ class StepLog:
         self.logging_steps, self.flops_per_token = logging_steps, flops_per_token
         self.writer = MetricsWriter(output_dir, accelerator.is_main_process, start_step)
         self.throughput = Throughput()
-        self.paused = self.throughput.paused
+        self.untimed = self.throughput.untimed
         self.peak_flops = peak_flops_per_device() if flops_per_token else None
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
                         disable=not accelerator.is_local_main_process)
@@ -157,16 +156,13 @@ class StepLog:
         self._reset()
 
     def _reset(self) -> None:
-        device = self.accelerator.device
-        self.window_loss, self.reduced_loss = torch.zeros((), device=device), None
         self.loss_sum, self.loss_steps, self.skipped = 0.0, 0, 0
-        self.padding = torch.zeros((), dtype=torch.long, device=device)
+        self.padding = torch.zeros((), dtype=torch.long, device=self.accelerator.device)
         self.positions = 0
 
-    def add(self, loss_share: torch.Tensor, batch: dict) -> None:
-        """One micro-batch: its share of the step's loss, and its real and padding positions."""
+    def count_tokens(self, batch: dict) -> None:
+        """One micro-batch's positions and padding positions (no host sync: the padding count stays on the device)."""
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        self.window_loss += loss_share.detach()
         if mask is not None:  # packed batches carry no mask: no padding
             self.padding += ids.numel() - mask.sum()
         self.positions += ids.numel()
@@ -176,31 +172,23 @@ class StepLog:
         """Share of padding positions over the logged rows so far (all processes)."""
         return self.run_padding / max(self.run_positions, 1)
 
-    def step_loss(self) -> float:
-        """This optimizer step's loss over all processes (one all-reduce the first time; call it on every rank)."""
-        if self.reduced_loss is None:
-            self.reduced_loss = self.accelerator.reduce(self.window_loss, "sum").item()
-        return self.reduced_loss
-
-    def step(self, step: int, lr: float, grad_norm) -> dict | None:
+    def step(self, step: int, lr: float, loss: float, grad_norm: float | None) -> None:
         """Optimizer step `step` is done: advance the bar; every `logging_steps` and at the end, write a row."""
         self.bar.update(1)
-        loss, norm = self.step_loss(), None if grad_norm is None else float(grad_norm)
         if math.isfinite(loss):
             self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
-        if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
             self.skipped += 1  # the divergence guard (or the fp16 loss scaler) skipped its update
-        self.window_loss, self.reduced_loss = torch.zeros_like(self.window_loss), None
         if step % self.logging_steps and step != self.total_steps:
-            return None
+            return
         acc = self.accelerator
         padding, positions = acc.reduce(torch.stack(
             [self.padding, torch.full_like(self.padding, self.positions)]), "sum").tolist()
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work
-        tokens_per_second, _ = self.throughput.report()
+        tokens_per_second = self.throughput.report()
         row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None,
-               "loss": self.loss_sum / self.loss_steps if self.loss_steps else None, "lr": lr, "grad_norm": norm,
+               "loss": self.loss_sum / self.loss_steps if self.loss_steps else None, "lr": lr, "grad_norm": grad_norm,
                "skipped_nonfinite_steps": self.skipped,
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),
                "peak_memory_bytes": peak_memory_bytes()}
@@ -215,7 +203,6 @@ class StepLog:
                              pad=f"{row['padding_fraction']:.2f}")
         self.last_row = row
         self._reset()
-        return row
 
     def write_eval(self, step: int, eval_metrics: dict) -> None:
         """An evaluation's figures: to metrics.jsonl, the trackers and the log."""

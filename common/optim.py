@@ -7,6 +7,8 @@ import argparse
 import torch
 from torch import nn
 
+from common.errors import fail
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are not decayed.
@@ -37,12 +39,9 @@ def create_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
         cls = bnb.optim.PagedAdamW8bit if args.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         return cls(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon)
-    if args.optim == "adafactor":
-        from transformers.optimization import Adafactor
+    from transformers.optimization import Adafactor  # --optim adafactor (the flag's choices allow no other)
 
-        return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False,
-                         warmup_init=False)
-    raise ValueError(f"unknown optimizer {args.optim}")
+    return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
 def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, accelerator, total_steps: int):
@@ -55,6 +54,9 @@ def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, a
     from transformers import get_scheduler
 
     warmup = args.warmup_steps if args.warmup_steps is not None else int(0.05 * total_steps)
+    if warmup > total_steps:
+        fail(f"--warmup_steps {warmup} is more than the run's {total_steps} optimizer steps: the learning rate would "
+             "never reach --learning_rate")
     plugin = accelerator.state.deepspeed_plugin
     ds_config = plugin.deepspeed_config if plugin is not None else {}
     if "optimizer" in ds_config:

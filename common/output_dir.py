@@ -12,13 +12,13 @@ from typing import IO
 
 from accelerate import Accelerator
 
-from common.checkpoint import CHECKPOINT_DIR, METRICS_FILE, discard, remove_leftovers
+from common.checkpoint import discard, remove_leftovers
 from common.errors import fail
+from common.paths import CHECKPOINT_DIR, LOCK_FILE, LOGS_DIR, METRICS_FILE, RESULTS_FILE
 
-LOCK_FILE = ".lock"
 # What a run writes into --output_dir (`--overwrite_output_dir` removes these; other files are left alone): its
 # checkpoints, logs and metrics, and the exported model and tokenizer.
-RUN_OUTPUTS = (CHECKPOINT_DIR, "logs", METRICS_FILE, "all_results.json", "config.json", "generation_config.json",
+RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, "config.json", "generation_config.json",
                "*.safetensors", "*.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
                "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt")
 _held_locks: dict[str, IO] = {}  # open for the process's life: the kernel drops the lock when the process dies

@@ -1,5 +1,5 @@
-"""Graceful stop on SIGTERM, SIGINT and SIGUSR1 (Slurm `--signal`, Kubernetes, Ctrl-C): finish the current optimizer
-step on every rank, save a checkpoint, say how to continue, exit with status 143.
+"""Graceful stop on SIGTERM, SIGINT and SIGUSR1 (Slurm `--signal`, Kubernetes, Ctrl-C): the loop finishes the current
+optimizer step on every rank, saves a checkpoint, says how to continue and ends the run with status 143.
 
 The handler only records the signal. At each optimizer-step boundary `stop_requested` turns it into accelerate's
 trigger (`set_trigger` on the rank that got it, `check_trigger` on all: one small all-reduce), so every rank stops
@@ -25,8 +25,6 @@ import threading
 
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-
-from common.errors import StopTraining
 
 logger = get_logger(__name__)
 
@@ -67,9 +65,8 @@ def stop_requested(accelerator: Accelerator) -> bool:
     return accelerator.check_trigger()
 
 
-def stop_after_checkpoint(step: int, checkpoint: str) -> None:
-    """Say where the run stopped and how to continue it, then stop the run with STOPPED_STATUS."""
+def announce_stop(step: int, checkpoint: str) -> None:
+    """Say where the run stopped and how to continue it (the run then ends with STOPPED_STATUS)."""
     why = f"on {_received[0]}" if _received else "on another process's signal"
     logger.warning(f"Stopped {why} after optimizer step {step}; checkpoint saved in {checkpoint}. To continue, run "
                    f"the same command with --resume_from_checkpoint {checkpoint} (exit status {STOPPED_STATUS})")
-    raise StopTraining(STOPPED_STATUS)

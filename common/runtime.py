@@ -7,9 +7,6 @@ import gc
 import logging
 import os
 from datetime import timedelta
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -25,9 +22,8 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.checkpoint import check_resume_process_count
 from common.deepspeed_check import check_deepspeed_config
-from common.errors import StopTraining, fail, fail_on_every_rank
+from common.errors import fail, fail_on_every_rank
 from common.preemption import stop_when_launcher_dies
 
 logger = get_logger(__name__)
@@ -41,7 +37,8 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
     - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
     """
-    check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one error line, before any work
+    ds_config = check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one line, before any work
+    clip_in_deepspeed_as_flagged(ds_config, args.max_grad_norm)
     stop_when_launcher_dies()  # a launcher killed alone must not leave this process training, orphaned
     extra, backend = {}, None
     fsdp_on_cpu = False
@@ -77,8 +74,6 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     )
     if fsdp_on_cpu:
         shard_with_fsdp2_on_cpu(accelerator)
-    # Needs the launch's process count and engine, so it runs here, still before any data or model work.
-    check_resume_process_count(accelerator, getattr(args, "resume_from_checkpoint", None))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     if not accelerator.is_local_main_process:
@@ -90,6 +85,13 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     set_seed(args.seed)
     logger.info(accelerator.state, main_process_only=True)
     return accelerator
+
+
+def clip_in_deepspeed_as_flagged(ds_config: dict | None, max_grad_norm: float) -> None:
+    """accelerate fills a DeepSpeed JSON's "auto" gradient_clipping with 1.0 whatever the script says; its launcher's
+    own variable carries --max_grad_norm instead (0 disables clipping, as without DeepSpeed)."""
+    if ds_config and ds_config.get("gradient_clipping") == "auto":
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
 
 
 def process_group_kwargs(timeout_seconds: float, backend: str | None = None) -> InitProcessGroupKwargs:
@@ -158,25 +160,11 @@ def use_all_cores() -> None:
 def finish(accelerator: Accelerator) -> None:
     """End trackers and the process group once the script's models are gone.
 
-    Call it after the function that held the prepared model has returned: a DDP model still alive when the
-    gloo group is destroyed makes the process abort at exit now and then.
+    Call it after the function that held the prepared model has returned (also when it returned early: a stop
+    signal, a diverged run): a DDP model still alive when the gloo group is destroyed makes the process abort at exit
+    now and then.
     """
     accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
-
-
-@contextmanager
-def finishing(accelerator: Accelerator) -> Iterator[None]:
-    """Run the training inside; then `finish`, also when it stopped early on purpose (`StopTraining`: a stop signal
-    after its checkpoint, a diverged run), and exit with that stop's status."""
-    status = 0
-    try:
-        yield
-    except StopTraining as stop:
-        status = stop.code
-        traceback.clear_frames(stop.__traceback__)  # the loop's frames hold the model: free it before `finish`
-    finish(accelerator)
-    if status:
-        raise SystemExit(status)

@@ -31,8 +31,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
-from common.args import DATA_EXTENSIONS
-from common.data import block_packer, build_default_corpus, document_tokenizer, get_tokenizer
+from common.data import block_packer, build_default_corpus, data_format, document_tokenizer, get_tokenizer
 from common.errors import fail
 
 TOKENIZER_SAMPLE_DOCUMENTS = 10_000  # a tokenizer trained here learns from the stream's first documents
@@ -47,7 +46,7 @@ def load_streams(args: argparse.Namespace) -> tuple[IterableDataset, IterableDat
         files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
         if getattr(args, "validation_file", None):
             files["validation"] = args.validation_file
-        builder = DATA_EXTENSIONS[os.path.splitext(files["train"])[1].lower()]
+        builder = data_format(files["train"])
         raw = load_dataset(builder, data_files=files, streaming=True,
                            **({"keep_linebreaks": True} if builder == "text" else {}))
     if "train" not in raw:
@@ -101,13 +100,14 @@ def process_share(train: IterableDataset, rank: int, world_size: int) -> Iterabl
     return train.filter(lambda _, index: index % world_size == rank, with_indices=True)
 
 
-def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator,
-                     train: IterableDataset) -> PreTrainedTokenizerBase:
+def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, train: IterableDataset,
+                     resume_from: str | None) -> PreTrainedTokenizerBase:
     """--tokenizer_name / the model's tokenizer; else a BPE tokenizer trained on the stream's first documents."""
     if args.tokenizer_name or args.model_name_or_path:
-        return get_tokenizer(args, accelerator, {})
+        return get_tokenizer(args, accelerator, {}, resume_from)
     texts = [row[args.text_column] for row in train.take(TOKENIZER_SAMPLE_DOCUMENTS)]
-    return get_tokenizer(args, accelerator, {"train": Dataset.from_dict({args.text_column: texts})})
+    return get_tokenizer(args, accelerator, {"train": Dataset.from_dict({args.text_column: texts})}, resume_from,
+                         args.tokenizer_vocab_size)
 
 
 class StreamingLoader:
@@ -157,11 +157,11 @@ class StreamingLoader:
             self.loader.load_state_dict(state["loader"])
 
 
-def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator
+def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resume_from: str | None
                         ) -> tuple[PreTrainedTokenizerBase, StreamingLoader, DataLoader]:
     """(tokenizer, this process's training stream, eval dataloader over the held-out blocks kept in memory)."""
     train, validation = load_streams(args)
-    tokenizer = stream_tokenizer(args, accelerator, train)
+    tokenizer = stream_tokenizer(args, accelerator, train, resume_from)
     eval_blocks = list(packed_blocks(validation, args, tokenizer, args.block_size))
     if not eval_blocks:
         fail(f"the held-out documents hold fewer than --block_size={args.block_size} tokens; use more data, a "

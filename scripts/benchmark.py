@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
-from common.args import ArgumentParser
+from common.flags import ArgumentParser
 from common.errors import fail
 
 PRETRAIN, PLAIN = os.path.join("scripts", "pretrain_llama.py"), os.path.join("scripts", "plain_loop.py")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from common.args import ArgumentParser  # noqa: E402
+from common.flags import ArgumentParser  # noqa: E402
 from common.errors import fail  # noqa: E402
 from common.modeling import PRESETS  # noqa: E402
 

@@ -16,6 +16,7 @@ of micro-batch means.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
 import hashlib
@@ -34,37 +35,46 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
-from common.args import finetuning_parser, validate_finetuning
+from common.accumulation import (backward_loss, check_loss_honours_num_items, count_label_tokens,
+                                 router_aux_loss_coefficient)
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import RunRecord, export_model, resume, save_checkpoint
+from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
 from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
-from common.divergence import NonFiniteGuard
 from common.errors import fail, fail_on_every_rank
 from common.evaluation import evaluate_causal_lm
+from common.export import export_model
+from common.flags import ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args
+from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
-from common.runtime import build_accelerator, finishing, init_trackers
+from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_requested
+from common.run_record import RunRecord
+from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows, track_progress
+from common.validation import check_finetuning_flags
 
 logger = get_logger(__name__)
+DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = finetuning_parser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_data_args(parser)
+    add_training_args(parser)
+    add_finetuning_args(parser)
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
     g = parser.add_argument_group("supervised fine-tuning")
-    g.add_argument("--prompt_column", default="prompt")
-    g.add_argument("--completion_column", default="completion")
+    g.add_argument("--prompt_column", default="prompt", help="Column holding the prompt (no loss on it).")
+    g.add_argument("--completion_column", default="completion", help="Column holding the response (the loss).")
     g.add_argument("--messages_column", default="messages", help="Chat turns [{role, content}, ...], used if present.")
     g.add_argument("--chat_template", help="A Jinja chat template file, for a tokenizer that has none.")
     g.add_argument("--packing", action="store_true",
                    help="Concatenate each batch's examples into one row with per-example position ids (no padding).")
     args = parser.parse_args(argv)
-    validate_finetuning(args)
+    check_finetuning_flags(args)
     if args.packing and args.group_by_length:
         fail("--group_by_length saves nothing with --packing (packed batches have no padding)")
     if args.chat_template and not os.path.isfile(args.chat_template):
@@ -74,13 +84,15 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> None:
     args = parse_args()
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)  # None: a fresh start
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     accelerator = build_accelerator(args)
-    with finishing(accelerator):  # also after a stop signal or divergence, then exits with that stop's status
-        train(args, config, accelerator)
+    status = train(args, config, accelerator, resume_from)
+    finish(accelerator)  # after train() has returned: its model is gone
+    sys.exit(status)
 
 
-def load_sft_data(args, accelerator, config):
+def load_sft_data(args, accelerator, config, resume_from: str | None):
     """Rows -> text + response spans -> tokens with the prompt masked (-100): (tokenizer, datasets, chat turns?)."""
     if not args.train_file and not args.dataset_name:
         with accelerator.main_process_first():
@@ -93,7 +105,7 @@ def load_sft_data(args, accelerator, config):
             if column not in raw[split].column_names:
                 fail(f"no column '{column}' in the {split} split (columns: {', '.join(raw[split].column_names)}); "
                      f"set {flag}, or give a '{args.messages_column}' column of chat turns")
-    tokenizer = get_tokenizer(args, accelerator, raw)
+    tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
@@ -165,11 +177,12 @@ def build_dataloaders(args, accelerator, tokenizer, data):
     return train_dataloader, eval_dataloader
 
 
-def train(args, config, accelerator) -> None:
-    run = RunRecord(args, "finetune_causal_lm", accelerator.num_processes, config)  # a resume that disagrees stops here
+def train(args, config, accelerator, resume_from: str | None) -> int:
+    """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
+    run = RunRecord(args, "finetune_causal_lm", accelerator, config, DATA_FLAGS, resume_from)  # checks a resume
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
-    tokenizer, data = load_sft_data(args, accelerator, config)
+    tokenizer, data = load_sft_data(args, accelerator, config, resume_from)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
@@ -184,58 +197,68 @@ def train(args, config, accelerator) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)
     progress = track_progress(accelerator)
-    resume(accelerator, args.resume_from_checkpoint, progress, run)
+    resume(accelerator, resume_from, progress, run)
     init_trackers(accelerator, args, "finetune_causal_lm")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
                 f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
 
-    # ---- training loop ----------------------------------------------------------------------------------------------
+    # ---- training loop: the loss is the mean over all response tokens of the step -----------------------------------
     log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
-    catch_stop_signals()  # from here on SIGTERM/SIGINT/SIGUSR1 end the run after the current step, with a checkpoint
+    catch_stop_signals()
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
         lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # response tokens in the window, all processes
+        window_loss = torch.zeros((), device=accelerator.device)
         for batch in window:
             with accelerator.accumulate(model):
                 # No KV cache in training (measured, transformers 5.23: with one, the packed-sequence mask is skipped).
                 outputs = model(**batch, num_items_in_batch=num_items, use_cache=False)
                 loss, token_loss = backward_loss(outputs, accelerator, router_aux_loss_coef)
                 accelerator.backward(loss)
-                log.add(token_loss, batch)
-                if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
+                window_loss += token_loss
+                log.count_tokens(batch)
+                if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if guard.allows_update(log.step_loss(), grad_norm):  # NaN/inf: skipped on every rank
+                    checked = guard.check(window_loss, grad_norm)
+                    if checked.verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        if checked.verdict is Verdict.DIVERGED:
+            return DIVERGED_STATUS
         step = progress.step
-        log.step(step, lr, grad_norm)
+        log.step(step, lr, checked.loss, checked.grad_norm)
 
-        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        stop = stop_requested(accelerator)
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
-            with log.paused():
+            with log.untimed():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
-            with log.paused():
+            with log.untimed():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
+            if checkpoint is None:
+                return DIVERGED_STATUS
         if stop:
-            stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
+            announce_stop(step, checkpoint)
+            return STOPPED_STATUS
     log.close()
     train_runtime = time.perf_counter() - train_start
 
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    export_model(accelerator, model, tokenizer, args.output_dir)
+    if not export_model(accelerator, model, tokenizer, args.output_dir):
+        return DIVERGED_STATUS
     if accelerator.is_main_process:
         write_all_results(args.output_dir, {
             **eval_metrics, "train_loss": log.last_row.get("loss"), "train_steps": progress.step,
@@ -243,6 +266,7 @@ def train(args, config, accelerator) -> None:
             "num_parameters": total_params, "trainable_parameters": trainable, "train_examples": len(data["train"]),
             "num_processes": accelerator.num_processes, "peak_memory_bytes": peak_memory_bytes()})
         logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+    return 0
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -15,6 +15,7 @@ classes), checkpoint, export the last or the best model with its tokenizer.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -30,41 +31,50 @@ from datasets import ClassLabel
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.args import finetuning_parser, validate_finetuning
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import RunRecord, export_model, resume, save_checkpoint
+from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets
-from common.divergence import NonFiniteGuard
 from common.errors import fail
+from common.export import export_model
+from common.flags import ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args
+from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
                              load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
-from common.runtime import build_accelerator, finishing, init_trackers
+from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_requested
+from common.run_record import RunRecord
+from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
+from common.validation import check_finetuning_flags
 
 logger = get_logger(__name__)
+DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resume keeps them
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = finetuning_parser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_data_args(parser)
+    add_training_args(parser)
+    add_finetuning_args(parser)
     # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.01, adam_beta2=0.999, lr_scheduler_type="linear",
                         attn_implementation=None)
     g = parser.add_argument_group("classification")
-    g.add_argument("--text_pair_column", help="Second text of a pair (default: `text_pair` when the data has it).")
-    g.add_argument("--label_column", default="label")
+    g.add_argument("--text_pair_column", help="Second text of a pair (None: `text_pair` when the data has it).")
+    g.add_argument("--label_column", default="label", help="Column holding the label.")
     g.add_argument("--pad_to_max_length", action="store_true",
                    help="Pad every batch to --max_seq_length (the wasteful baseline that dynamic padding avoids).")
     g.add_argument("--auto_find_batch_size", action="store_true",
                    help="On out-of-memory: halve the batch, double the accumulation (same effective batch), restart.")
     g.add_argument("--load_best_model_at_end", action="store_true",
                    help="Export the model of the best evaluation (see --eval_steps) instead of the last one.")
-    g.add_argument("--metric_for_best_model", default="accuracy", choices=("accuracy", "f1", "loss"))
+    g.add_argument("--metric_for_best_model", default="accuracy", choices=("accuracy", "f1", "loss"),
+                   help="What --load_best_model_at_end compares.")
     args = parser.parse_args(argv)
-    validate_finetuning(args)
+    check_finetuning_flags(args)
     if args.group_by_length and args.pad_to_max_length:
         fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
     if args.auto_find_batch_size and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -75,32 +85,39 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> None:
     args = parse_args()
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)  # None: a fresh start
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     accelerator = build_accelerator(args)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
-    with finishing(accelerator):  # also after a stop signal or divergence, then exits with that stop's status
-        if not args.auto_find_batch_size:
-            train(args, config, accelerator, progress)
-            return
-        # accelerate retries on out-of-memory errors with the batch size it is given; each attempt starts afresh.
-        effective_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-
-        def attempt(batch_size: int) -> None:
-            accelerator.free_memory()  # drop the failed attempt's prepared model and optimizer
-            set_seed(args.seed)
-            progress.step = 0
-            args.per_device_train_batch_size = batch_size
-            args.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = effective_batch // batch_size
-            logger.info(f"Trying {batch_size} per device x {args.gradient_accumulation_steps} accumulation steps")
-            train(args, config, accelerator, progress)
-
-        def smaller() -> int:  # the largest divisor of the effective batch at most half the current batch
-            return max(d for d in range(1, args.per_device_train_batch_size // 2 + 1) if effective_batch % d == 0)
-
-        find_executable_batch_size(attempt, args.per_device_train_batch_size, reduce_batch_size_fn=smaller)()
+    if args.auto_find_batch_size:
+        status = train_with_largest_batch(args, config, accelerator, progress, resume_from)
+    else:
+        status = train(args, config, accelerator, progress, resume_from)
+    finish(accelerator)  # after train() has returned: its model is gone
+    sys.exit(status)
 
 
-def load_classification_data(args, accelerator, config):
+def train_with_largest_batch(args, config, accelerator, progress: TrainingProgress, resume_from: str | None) -> int:
+    """`train` with accelerate's retry on out-of-memory errors: each attempt halves the per-device batch and doubles
+    the accumulation (the same effective batch), and starts afresh."""
+    effective_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+    def attempt(batch_size: int) -> int:
+        accelerator.free_memory()  # drop the failed attempt's prepared model and optimizer
+        set_seed(args.seed)
+        progress.step = 0
+        args.per_device_train_batch_size = batch_size
+        args.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = effective_batch // batch_size
+        logger.info(f"Trying {batch_size} per device x {args.gradient_accumulation_steps} accumulation steps")
+        return train(args, config, accelerator, progress, resume_from)
+
+    def smaller() -> int:  # the largest divisor of the effective batch at most half the current batch
+        return max(d for d in range(1, args.per_device_train_batch_size // 2 + 1) if effective_batch % d == 0)
+
+    return find_executable_batch_size(attempt, args.per_device_train_batch_size, reduce_batch_size_fn=smaller)()
+
+
+def load_classification_data(args, accelerator, config, resume_from: str | None):
     """Rows -> label ids + tokens: (tokenizer, tokenized datasets with a `length` column, label names)."""
     pair_column = args.text_pair_column
     columns = {args.text_column: "--text_column", args.label_column: "--label_column"}
@@ -109,7 +126,7 @@ def load_classification_data(args, accelerator, config):
     raw = load_raw_datasets(args, columns)
     if pair_column is None and "text_pair" in raw["train"].column_names:
         pair_column = "text_pair"
-    tokenizer = get_tokenizer(args, accelerator, raw)
+    tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     label_names, label_ids = discover_labels(raw, args.label_column)
     if args.metric_for_best_model == "f1" and len(label_names) != 2:
         fail(f"--metric_for_best_model f1 needs two labels (found {len(label_names)})")
@@ -152,11 +169,12 @@ def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
     return train_dataloader, eval_dataloader
 
 
-def train(args, config, accelerator, progress: TrainingProgress) -> None:
-    run = RunRecord(args, "finetune_classifier", accelerator.num_processes, config)  # a resume that disagrees stops here
+def train(args, config, accelerator, progress: TrainingProgress, resume_from: str | None) -> int:
+    """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
+    run = RunRecord(args, "finetune_classifier", accelerator, config, DATA_FLAGS, resume_from)  # checks a resume
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
-    tokenizer, data, label_names, max_length = load_classification_data(args, accelerator, config)
+    tokenizer, data, label_names, max_length = load_classification_data(args, accelerator, config, resume_from)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data, max_length)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
@@ -176,49 +194,58 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    resume(accelerator, args.resume_from_checkpoint, progress, run)
+    resume(accelerator, resume_from, progress, run)
     init_trackers(accelerator, args, "finetune_classifier")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
                 f"{len(data['train'])} training examples, {steps_per_epoch} optimizer steps per epoch, {total_steps} "
                 f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes}")
 
-    # ---- training loop ----------------------------------------------------------------------------------------------
+    # ---- training loop: equal-size micro-batches (drop_last), so the mean of their means is the step's mean --------
     log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
     best = BestModel(args.metric_for_best_model)
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
-    catch_stop_signals()  # from here on SIGTERM/SIGINT/SIGUSR1 end the run after the current step, with a checkpoint
+    catch_stop_signals()
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
         lr = lr_scheduler.get_last_lr()[0]
+        window_loss = torch.zeros((), device=accelerator.device)
         for batch in window:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss  # mean over the micro-batch's examples
                 accelerator.backward(loss)
-                log.add(loss / (ga * accelerator.num_processes), batch)  # equal-size micro-batches: the step's mean
-                if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
+                window_loss += loss.detach() / (ga * accelerator.num_processes)
+                log.count_tokens(batch)
+                if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if guard.allows_update(log.step_loss(), grad_norm):  # NaN/inf: skipped on every rank
+                    checked = guard.check(window_loss, grad_norm)
+                    if checked.verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        if checked.verdict is Verdict.DIVERGED:
+            return DIVERGED_STATUS
         step = progress.step
-        log.step(step, lr, grad_norm)
+        log.step(step, lr, checked.loss, checked.grad_norm)
 
-        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        stop = stop_requested(accelerator)
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
-            with log.paused():
+            with log.untimed():
                 metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
                 log.write_eval(step, metrics)
                 if best.update(step, metrics) and args.load_best_model_at_end:
-                    export_model(accelerator, model, tokenizer, args.output_dir)
+                    if not export_model(accelerator, model, tokenizer, args.output_dir):
+                        return DIVERGED_STATUS
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
-            with log.paused():
+            with log.untimed():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
+            if checkpoint is None:
+                return DIVERGED_STATUS
         if stop:
-            stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
+            announce_stop(step, checkpoint)
+            return STOPPED_STATUS
     log.close()
     train_runtime = time.perf_counter() - train_start
 
@@ -226,7 +253,8 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
     last_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
     log.write_eval(progress.step, last_metrics)
     if best.update(progress.step, last_metrics) or not args.load_best_model_at_end:
-        export_model(accelerator, model, tokenizer, args.output_dir)
+        if not export_model(accelerator, model, tokenizer, args.output_dir):
+            return DIVERGED_STATUS
     exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else \
         (progress.step, last_metrics)
     if accelerator.is_main_process:
@@ -240,6 +268,7 @@ def train(args, config, accelerator, progress: TrainingProgress) -> None:
         write_all_results(args.output_dir, results)
         logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}. Model, "
                     f"tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+    return 0
 
 
 class BestModel:

@@ -45,7 +45,8 @@ import torch
 
 import benchmark
 import estimate_memory
-from common.args import ArgumentParser, fail
+from common.errors import fail
+from common.flags import ArgumentParser
 from common.modeling import LLAMA_PRESETS
 from gpu_suite_runner import Runner
 

@@ -12,6 +12,7 @@ accumulation loss, the step bookkeeping, checkpoints, metrics).
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -24,42 +25,74 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 
-from common.accumulation import backward_loss, count_label_tokens, router_aux_loss_coefficient
-from common.args import parse_pretraining_args
-from common.checkpoint import RunRecord, export_model, resume, save_checkpoint
+from common.accumulation import (backward_loss, check_loss_honours_num_items, count_label_tokens,
+                                 router_aux_loss_coefficient)
+from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
-from common.divergence import NonFiniteGuard
+from common.errors import fail
 from common.evaluation import evaluate_causal_lm
+from common.export import export_model
+from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
+from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
 from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
-from common.modeling import (build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
+from common.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
                              outside_zero3)
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.preemption import catch_stop_signals, stop_after_checkpoint, stop_requested
-from common.runtime import build_accelerator, finishing, init_trackers
+from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_requested
+from common.run_record import RunRecord
+from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows, stream_step_windows, track_progress
 from common.streaming import load_streaming_data
+from common.validation import check_common_flags
 
 logger = get_logger(__name__)
 
 
-def parse_args(argv: list[str] | None = None):
-    return parse_pretraining_args(argv, description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser, PRESETS)
+    add_data_args(parser)
+    add_training_args(parser)
+    g = parser.add_argument_group("pretraining")
+    g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
+    g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="Vocabulary of a tokenizer trained here.")
+    g.add_argument("--streaming", action="store_true",
+                   help="Read the corpus as a stream: tokenized and packed on the fly, no cache; needs --max_steps.")
+    g.add_argument("--sample_prompt", default="def ", help="Prompt for the sample generated at the end.")
+    g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Tokens of that sample; 0: no sample.")
+    args = parser.parse_args(argv)
+    check_common_flags(args)
+    if args.block_size < 2:
+        fail(f"--block_size must be >= 2 (got {args.block_size})")
+    if args.streaming and args.max_steps <= 0:
+        fail("--streaming needs --max_steps: a stream has no length to count epochs in")
+    if sum(x is not None for x in (args.model_name_or_path, args.config_name, args.model_preset)) > 1:
+        fail("give only one of --model_name_or_path, --config_name, --model_preset")
+    return args
+
+
+def data_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """This script's flags that decide which blocks a run trains on (a resume must keep them)."""
+    trained_tokenizer = not (args.tokenizer_name or args.model_name_or_path)
+    return ("block_size",) + (("tokenizer_vocab_size",) if trained_tokenizer else ())
 
 
 def main() -> None:
     args = parse_args()
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)  # None: a fresh start
     config = load_config(args)  # cheap: checked against the flags before any heavy work
     check_block_size(config, args.block_size)
     accelerator = build_accelerator(args)
-    with finishing(accelerator):  # also after a stop signal or divergence, then exits with that stop's status
-        train(args, config, accelerator)
+    status = train(args, config, accelerator, resume_from)
+    finish(accelerator)  # after train() has returned: its model is gone
+    sys.exit(status)
 
 
-def load_data(args, accelerator):
+def load_data(args, accelerator, resume_from: str | None):
     """Corpus -> fast tokenizer -> packed blocks -> (tokenizer, train dataloader, eval dataloader)."""
     raw = load_raw_datasets(args)
-    tokenizer = get_tokenizer(args, accelerator, raw)
+    tokenizer = get_tokenizer(args, accelerator, raw, resume_from, args.tokenizer_vocab_size)
     data = tokenize_and_pack(args, accelerator, raw, tokenizer, args.block_size)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
@@ -69,15 +102,17 @@ def load_data(args, accelerator):
     return tokenizer, train_dataloader, eval_dataloader
 
 
-def train(args, config, accelerator) -> None:
-    run = RunRecord(args, "pretrain_llama", accelerator.num_processes, config)  # a resume that disagrees stops here
+def train(args, config, accelerator, resume_from: str | None) -> int:
+    """The whole run; returns the exit status: 0, STOPPED_STATUS (a stop signal, after its checkpoint) or
+    DIVERGED_STATUS."""
+    run = RunRecord(args, "pretrain_llama", accelerator, config, data_flags(args), resume_from)  # checks a resume
     claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     if args.streaming:  # no length: --max_steps long; epochs are passes over each process's share of the stream
-        tokenizer, train_dataloader, eval_dataloader = load_streaming_data(args, accelerator)
+        tokenizer, train_dataloader, eval_dataloader = load_streaming_data(args, accelerator, resume_from)
         steps_per_epoch, total_steps = None, args.max_steps
     else:
-        tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator)
+        tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator, resume_from)
         steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                              args.max_steps, args.num_train_epochs, unit="blocks")
     run.add_data(tokenizer, steps_per_epoch)
@@ -92,8 +127,9 @@ def train(args, config, accelerator) -> None:
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     progress = track_progress(accelerator)
-    resume(accelerator, args.resume_from_checkpoint, progress, run)
+    resume(accelerator, resume_from, progress, run)
     init_trackers(accelerator, args, "pretrain_llama")
     blocks = "a stream of" if args.streaming else len(train_dataloader.dataset)
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
@@ -101,7 +137,7 @@ def train(args, config, accelerator) -> None:
                 f"optimizer steps per epoch, {total_steps} in all; global batch "
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes} sequences")
 
-    # ---- training loop ----------------------------------------------------------------------------------------------
+    # ---- training loop: it ends at total_steps, or returns early on a stop signal or divergence ---------------------
     log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps,
                   flops_per_token=step_flops)
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
@@ -110,42 +146,51 @@ def train(args, config, accelerator) -> None:
     model.train()
     windows = (stream_step_windows(train_dataloader, progress, total_steps, ga) if args.streaming else
                optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga))
-    for window in windows:
+    for window in windows:  # one optimizer step's micro-batches; progress.step is the step it completes
         lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # real label tokens in the window, all processes
+        window_loss = torch.zeros((), device=accelerator.device)  # this process's share of the step's loss
         for batch in window:
             with accelerator.accumulate(model):
                 outputs = model(**batch, num_items_in_batch=num_items, use_cache=False)
                 loss, token_loss = backward_loss(outputs, accelerator, router_aux_loss_coef)
                 accelerator.backward(loss)
-                log.add(token_loss, batch)
+                window_loss += token_loss
+                log.count_tokens(batch)
                 if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if guard.allows_update(log.step_loss(), grad_norm):  # NaN/inf: skipped on every rank
+                    checked = guard.check(window_loss, grad_norm)  # the same verdict on every rank
+                    if checked.verdict is Verdict.APPLY:
                         optimizer.step()
-                        if not accelerator.optimizer_step_was_skipped:
+                        if not accelerator.optimizer_step_was_skipped:  # fp16 overflow or DeepSpeed's own skip
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        if checked.verdict is Verdict.DIVERGED:
+            return DIVERGED_STATUS  # the guard has said why; the newest checkpoint holds finite weights
         step = progress.step
-        log.step(step, lr, grad_norm)
+        log.step(step, lr, checked.loss, checked.grad_norm)
 
-        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and exits
+        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and returns
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
-            with log.paused():
+            with log.untimed():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
-            with log.paused():
+            with log.untimed():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
+            if checkpoint is None:
+                return DIVERGED_STATUS  # a non-finite weight: nothing saved, the reason printed
         if stop:
-            stop_after_checkpoint(step, checkpoint)  # says how to continue; exit status 143
+            announce_stop(step, checkpoint)  # where it stopped and the command that continues it
+            return STOPPED_STATUS
     log.close()
     train_runtime = time.perf_counter() - train_start
 
     # ---- final evaluation and export --------------------------------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    export_model(accelerator, model, tokenizer, args.output_dir)
+    if not export_model(accelerator, model, tokenizer, args.output_dir):
+        return DIVERGED_STATUS  # a non-finite weight: nothing exported, the reason printed
     if accelerator.is_main_process:
         results = {**eval_metrics, "train_loss": log.last_row.get("loss"), "train_steps": progress.step,
                    "train_runtime": train_runtime, "num_parameters": total_params,
@@ -155,6 +200,7 @@ def train(args, config, accelerator) -> None:
             logger.info(f"Sample from the exported model:\n{results['sample']}")
         write_all_results(args.output_dir, results)
         logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+    return 0
 
 
 def generate_sample(model_dir: str, prompt: str, max_new_tokens: int) -> str:

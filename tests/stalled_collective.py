@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.args import ArgumentParser, add_training_args
+from common.flags import ArgumentParser, add_training_args
 from common.runtime import build_accelerator
 
 

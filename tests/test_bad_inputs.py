@@ -23,7 +23,8 @@ pretrain = load_script("pretrain_llama")
 
 def one_line_error(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exc:
-        args = pretrain.parse_args(argv)
+        args = pretrain.parse_args(argv)  # what main() does before any heavy work
+        pretrain.find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)
         pretrain.check_block_size(pretrain.load_config(args), args.block_size)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
@@ -33,6 +34,10 @@ def one_line_error(capsys, argv: list[str]) -> str:
 
 @pytest.mark.parametrize("argv,message", [
     (["--train_file", "/no/such.jsonl"], "--train_file /no/such.jsonl: no such file"),
+    (["--train_file", "{tmp}"], "--train_file {tmp}: is a folder; pass a file (for a folder of files use "
+                                "--dataset_name {tmp})"),
+    (["--validation_split_percentage", "100"], "--validation_split_percentage must be between 0 and 99 (got 100)"),
+    (["--warmup_steps", "50", "--max_steps", "20"], "--warmup_steps 50 is more than the run's --max_steps 20"),
     (["--train_file", "{empty}"], "the file is empty"),
     (["--train_file", "{bad_ext}"], "unsupported extension"),
     (["--optim", "sgd_9bit"], "argument --optim: invalid choice: 'sgd_9bit'"),

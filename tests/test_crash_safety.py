@@ -24,9 +24,10 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, SCRIPTS, read_metrics
 
-from common.checkpoint import COMPLETE_MARKER, complete_checkpoints, resolve_resume_path, save_checkpoint
+from common.checkpoint import complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
 from common.metrics import MetricsWriter
-from common.output_dir import LOCK_FILE, claim_output_dir
+from common.output_dir import claim_output_dir
+from common.paths import COMPLETE_MARKER, LOCK_FILE
 
 STEPS, EVERY = 16, 2  # room for 5 kills: each one during a save costs the attempt a checkpoint
 
@@ -182,7 +183,7 @@ def test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newes
     model = torch.nn.Linear(4, 4)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     for step in range(1, 6):
-        save_checkpoint(accelerator, str(tmp_path), step, save_total_limit=2)
+        save_checkpoint(accelerator, str(tmp_path), step, save_total_limit=2, run=NO_RECORD)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5"]  # pruned after each new one
     assert all((tmp_path / "checkpoints" / s / COMPLETE_MARKER).is_file() for s in ("step_4", "step_5"))
     # An interrupted save of step 6 (half a model file) and a step_7 folder without the completion marker.
@@ -192,12 +193,22 @@ def test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newes
     with open(tmp_path / "checkpoints" / ".tmp-step_6" / "model.safetensors", "r+b") as f:
         f.truncate(10)
     for value in ("latest", "auto"):
-        assert resolve_resume_path(str(tmp_path), value) == str(tmp_path / "checkpoints" / "step_5")
-    accelerator.load_state(resolve_resume_path(str(tmp_path), "latest"))  # what it picks loads
+        assert find_checkpoint_to_resume(str(tmp_path), value) == str(tmp_path / "checkpoints" / "step_5")
+    accelerator.load_state(find_checkpoint_to_resume(str(tmp_path), "latest"))  # what it picks loads
     claim_output_dir(argparse_namespace(tmp_path), accelerator)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5", "step_7"]  # the leftover is gone
-    save_checkpoint(accelerator, str(tmp_path), 8, save_total_limit=2)  # prunes complete ones only
+    save_checkpoint(accelerator, str(tmp_path), 8, save_total_limit=2, run=NO_RECORD)  # prunes complete ones only
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_5", "step_7", "step_8"]
+
+
+class _NoRunRecord:
+    """In-process saves without a script run: nothing to record next to accelerate's state."""
+
+    def write(self, path: str) -> None:
+        pass
+
+
+NO_RECORD = _NoRunRecord()
 
 
 def argparse_namespace(output_dir, overwrite: bool = False):
@@ -264,9 +275,9 @@ def test_one_live_run_per_folder_and_overwrite_starts_over(reference, corpus):
     finally:
         sigkill(live)
     assert lock_is_free(out)  # the kernel released the killed run's lock
-    assert resolve_resume_path(str(out), "auto") is None  # nothing of the old run can be resumed
+    assert find_checkpoint_to_resume(str(out), "auto") is None  # nothing of the old run can be resumed
     with pytest.raises(SystemExit):
-        resolve_resume_path(str(out), "latest")
+        find_checkpoint_to_resume(str(out), "latest")
 
 
 def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(reference, corpus):

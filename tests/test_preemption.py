@@ -34,7 +34,7 @@ from test_distributed import launcher
 from test_finetune_causal_lm import sft  # noqa: F401  (fixture)
 from test_finetune_classifier import tiny  # noqa: F401  (fixture)
 
-from common.divergence import DIVERGED_STATUS
+from common.guard import DIVERGED_STATUS
 from common.preemption import STOPPED_STATUS
 
 TOL = 1e-6

@@ -130,7 +130,9 @@ def guard_error(capsys, corpus, runs, *changed: str, num_processes: int = 1, scr
     The error, or None."""
     from transformers import AutoTokenizer
 
-    from common.checkpoint import RunRecord, check_run_record
+    from types import SimpleNamespace
+
+    from common.run_record import RunRecord, check_run_record
 
     pretrain = load_pretrain_module()
     checkpoint = runs / "reference" / "checkpoints" / "step_3"
@@ -142,7 +144,8 @@ def guard_error(capsys, corpus, runs, *changed: str, num_processes: int = 1, scr
             argv += [flag, value]
     args = pretrain.parse_args(argv)
     try:
-        run = RunRecord(args, script, num_processes, pretrain.load_config(args))
+        launch = SimpleNamespace(num_processes=num_processes, distributed_type="MULTI_CPU")
+        run = RunRecord(args, script, launch, pretrain.load_config(args), pretrain.data_flags(args), None)
         saved = json.loads((checkpoint / "run.json").read_text())
         run.add_data(tokenizer or AutoTokenizer.from_pretrained(checkpoint / "tokenizer"),
                      steps_per_epoch or saved["steps_per_epoch"])

@@ -1,0 +1,181 @@
+"""The resume guard: what continuing a checkpoint correctly needs (`run.json` in every checkpoint), checked against the
+resuming run's flags, data, tokenizer, model shape and process count before any heavy work."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+
+from common.errors import fail, fail_on_every_rank
+from common.paths import RUN_RECORD, TOKENIZER_DIR
+
+logger = get_logger(__name__)
+# The flags of common/flags.py that decide which examples a run sees, cut how and in which order; each script adds
+# its own (`data_flags`).
+SHARED_DATA_FLAGS = ("dataset_name", "dataset_config_name", "text_column", "max_train_samples",
+                     "validation_split_percentage", "max_seq_length", "group_by_length")
+MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
+
+
+class RunRecord:
+    """What continuing a checkpoint correctly needs: the script, the global batch, the data (file fingerprints and the
+    flags that cut and order it), the seed, the model's shape, and, once the data is loaded, the tokenizer and the
+    optimizer steps per epoch.
+
+    Every checkpoint gets these fields (`run.json`) and the tokenizer; a run that resumes one must agree, or it stops
+    with one line naming the difference. The process count, per-device batch and accumulation may change if the
+    global batch stays: each optimizer step then covers the same examples (the shuffle does not depend on them).
+    Created before any heavy work, it checks the flags (and a ZeRO checkpoint's process count) of a resume right away.
+    """
+
+    def __init__(self, args: argparse.Namespace, script: str, accelerator: Accelerator, config,
+                 data_flags: tuple[str, ...], resume_from: str | None) -> None:
+        batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        num_processes = accelerator.num_processes
+        self.fields = {
+            "script": script,
+            "global_batch": {"sequences": batch * accumulation * num_processes, "per_device": batch,
+                             "accumulation": accumulation, "processes": num_processes},
+            "seed": args.seed,
+            "train_file": file_fingerprint(args.train_file),
+            "validation_file": file_fingerprint(args.validation_file),
+            **{name: getattr(args, name) for name in SHARED_DATA_FLAGS + data_flags if hasattr(args, name)},
+            "model": {key: getattr(config, key) for key in MODEL_SHAPE if getattr(config, key, None) is not None},
+        }
+        if args.validation_file:  # the split share only counts when validation is cut from train
+            self.fields.pop("validation_split_percentage", None)
+        self.tokenizer = None
+        if resume_from:
+            check_resume_process_count(accelerator, resume_from)
+            check_run_record(resume_from, self.fields)
+
+    def add_data(self, tokenizer, steps_per_epoch: int | None) -> None:
+        """What is known once the data is loaded: the tokenizer (saved with each checkpoint) and the epoch length."""
+        self.tokenizer = tokenizer
+        self.fields.update(tokenizer=tokenizer_fingerprint(tokenizer), steps_per_epoch=steps_per_epoch)
+
+    def write(self, path: str) -> None:
+        """Into a checkpoint folder (main process): run.json and the tokenizer."""
+        with open(os.path.join(path, RUN_RECORD), "w", encoding="utf-8") as f:
+            json.dump(self.fields, f, indent=1)
+        self.tokenizer.save_pretrained(os.path.join(path, TOKENIZER_DIR))
+
+
+def file_fingerprint(path: str | None) -> dict | None:
+    """Size and SHA-256 of the first and last MiB: the same file after a copy or a move (a requeued job may stage
+    its data elsewhere), another file almost surely; cheap for any size."""
+    if not path:
+        return None
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        if size > 1 << 20:
+            f.seek(max(1 << 20, size - (1 << 20)))
+            digest.update(f.read())
+    return {"name": os.path.basename(path), "bytes": size, "sha256_head_tail": digest.hexdigest()[:16]}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Vocabulary, merges, normalisation, special tokens and chat template (not the per-call padding/truncation)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    ids = {name: getattr(tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    blob = json.dumps([spec, ids, tokenizer.chat_template], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_run_record(path: str, fields: dict) -> None:
+    """Stop with one line at the first field of this run that contradicts the checkpoint's run.json."""
+    record = os.path.join(path, RUN_RECORD)
+    if not os.path.isfile(record):
+        logger.warning(f"{path} has no {RUN_RECORD}: resuming without checking that the data and batch agree")
+        return
+    try:
+        with open(record, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"--resume_from_checkpoint {path}: cannot read {record} ({e})")
+    grouped = fields.get("group_by_length")
+    for key, value in fields.items():
+        if key in saved and _differs(key, saved[key], value, grouped):
+            fail(f"--resume_from_checkpoint {path}: {_difference(key, saved[key], value, path)}")
+
+
+def _differs(key: str, saved, current, grouped: bool) -> bool:
+    if key == "global_batch":  # length-grouped batches are cut from the order by per-device batch size
+        fields = ("sequences", "per_device") if grouped else ("sequences",)
+        return any(saved[f] != current[f] for f in fields)
+    if key in ("train_file", "validation_file") and saved and current:
+        return (saved["bytes"], saved["sha256_head_tail"]) != (current["bytes"], current["sha256_head_tail"])
+    return saved != current
+
+
+def _difference(key: str, saved, current, path: str) -> str:
+    """The one-line explanation of a field that differs."""
+    if key == "global_batch":
+        def batch(g):
+            return (f"{g['sequences']} ({g['per_device']} x {g['accumulation']} x {g['processes']} "
+                    f"process{'es' if g['processes'] > 1 else ''})")
+        if saved["sequences"] == current["sequences"]:
+            return (f"with --group_by_length the order depends on the per-device batch: the checkpoint was trained "
+                    f"with {saved['per_device']}, this run has {current['per_device']}")
+        return (f"the checkpoint was trained with global batch {batch(saved)}, this run has {batch(current)}; keep "
+                "per-device batch x accumulation x processes equal to the checkpoint's")
+    if key in ("train_file", "validation_file"):
+        def data(d):
+            return f"{d['name']} ({d['bytes']:,} bytes)" if d else "the default data"
+        return f"the checkpoint was trained on --{key} {data(saved)}, this run has {data(current)}"
+    if key == "tokenizer":
+        return (f"this run's tokenizer differs from the one the checkpoint was trained with (saved in "
+                f"{os.path.join(path, TOKENIZER_DIR)})")
+    if key == "steps_per_epoch":
+        return (f"an epoch of the checkpoint's run has {saved} optimizer steps, this run's has {current}: the data or "
+                "the way per-device batch x accumulation cuts it differs")
+    if key == "model":
+        diffs = [f"{k} {saved.get(k)} vs {current.get(k)}" for k in sorted(set(saved) | set(current))
+                 if saved.get(k) != current.get(k)]
+        return f"the checkpoint holds another model ({', '.join(diffs)}, checkpoint vs this run)"
+    if key == "script":
+        return f"the checkpoint was written by {saved}, not by {current}"
+    return f"the checkpoint was trained with --{key} {saved}, this run has --{key} {current}"
+
+
+def zero_partition_count(checkpoint_dir: str) -> int | None:
+    """Processes a DeepSpeed ZeRO checkpoint written by `save_state` was partitioned over (None: not a ZeRO one).
+
+    accelerate saves the engine under the tag `pytorch_model`; each data-parallel rank writes one
+    `zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt` there. Counting names is cheap (no tensor is read).
+    """
+    engine_dir = os.path.join(checkpoint_dir, "pytorch_model")
+    if not os.path.isdir(engine_dir):
+        return None
+    ranks = {m.group(1) for m in (re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt", f)
+                                  for f in os.listdir(engine_dir)) if m}
+    return len(ranks) or None
+
+
+def check_resume_process_count(accelerator: Accelerator, checkpoint_dir: str | None) -> None:
+    """Refuse, in one line and before any heavy work, a ZeRO checkpoint resumed at another process count.
+
+    DeepSpeed cannot re-partition ZeRO optimizer states; it would raise only after the data and the model are built.
+    (Its universal-checkpoint conversion does not fit accelerate's checkpoint layout: not offered here.) FSDP2's
+    sharded checkpoints are torch.distributed.checkpoint folders and load at any process count, so they pass.
+    """
+    if not checkpoint_dir or accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    saved = zero_partition_count(checkpoint_dir)
+    if saved is not None and saved != accelerator.num_processes:
+        fail_on_every_rank(accelerator, f"--resume_from_checkpoint {checkpoint_dir} holds DeepSpeed ZeRO states "
+                           f"partitioned over {saved} processes but this run has {accelerator.num_processes}, and "
+                           f"DeepSpeed cannot re-partition them: resume with --num_processes {saved}, or train with "
+                           "accelerate_configs/fsdp2.yaml, whose checkpoints resume at any process count")
