@@ -3,7 +3,7 @@
 
     python scripts/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 1
 
-It takes the flags of scripts/pretrain_llama.py (its parser, so the same checks) and does the same work per
+It takes the flags of scripts/pretrain_llama.py (the same groups and checks) and does the same work per
 optimizer step: the same data pipeline, tokenizer, blocks, shuffle and batch (common/data.py), the same model and
 initialisation (common/modeling.py), optimizer and schedule (common/optim.py), autocast precision, torch.compile,
 accumulation, clipping, scheduler step, zero_grad, and a logged row per `--logging_steps` in the same
@@ -13,6 +13,7 @@ steps). With fixed-length blocks its losses equal the pretraining script's.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -24,20 +25,38 @@ from accelerate import PartialState
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import default_data_collator, get_scheduler, set_seed
 
-from common.args import parse_pretraining_args  # same flags and checks as the job it mirrors
 from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.errors import fail
+from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
                             write_all_results)
-from common.modeling import build_causal_lm, check_block_size, count_parameters, load_config
+from common.modeling import PRESETS, build_causal_lm, check_block_size, count_parameters, load_config
 from common.optim import create_optimizer
 from common.runtime import use_all_cores
+from common.validation import check_common_flags
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The pretraining job's flags, so that the benchmark gives both loops the same command line."""
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser, PRESETS)
+    add_data_args(parser)
+    add_training_args(parser)
+    g = parser.add_argument_group("pretraining (as scripts/pretrain_llama.py)")
+    g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
+    g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="Vocabulary of a tokenizer trained here.")
+    g.add_argument("--streaming", action="store_true", help="Refused: this loop reads the map-style corpus.")
+    g.add_argument("--sample_prompt", default="def ", help="Ignored (no sample here).")
+    g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Ignored (no sample here).")
+    args = parser.parse_args(argv)
+    check_common_flags(args)
+    if args.streaming:
+        fail("--streaming is a scripts/pretrain_llama.py feature; this reference loop reads the map-style corpus")
+    return args
 
 
 def main() -> None:
-    args = parse_pretraining_args(description=__doc__.split("\n")[0])
-    if args.streaming:
-        fail("--streaming is a scripts/pretrain_llama.py feature; this reference loop reads the map-style corpus")
+    args = parse_args()
     config = load_config(args)
     check_block_size(config, args.block_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,7 +72,7 @@ def main() -> None:
     # single-process state, nothing else here uses accelerate.
     state = PartialState()
     raw = load_raw_datasets(args)
-    tokenizer = get_tokenizer(args, state, raw)
+    tokenizer = get_tokenizer(args, state, raw, None, args.tokenizer_vocab_size)
     data = tokenize_and_pack(args, state, raw, tokenizer, args.block_size)["train"]
     sampler = RandomSampler(data, generator=torch.Generator())  # reseeded per epoch below, as accelerate does
     loader = DataLoader(data, sampler=sampler, batch_size=args.per_device_train_batch_size,
@@ -105,7 +124,7 @@ def main() -> None:
             steps_since_log += 1
             throughput.add(ga * batch["input_ids"].numel())
             if step % args.logging_steps == 0 or step == total_steps:
-                tokens_per_second, _ = throughput.report()
+                tokens_per_second = throughput.report()
                 row = {"step": step, "epoch": round(step / steps_per_epoch, 4),
                        "loss": loss_sum.item() / steps_since_log, "lr": lr, "grad_norm": float(grad_norm),
                        "tokens_per_second": tokens_per_second, "peak_memory_bytes": peak_memory_bytes()}
