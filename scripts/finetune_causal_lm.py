@@ -27,7 +27,7 @@ import sys
 import textwrap
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate import Accelerator
@@ -84,11 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)  # None: a fresh start
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     accelerator = build_accelerator(args)
     status = train(args, config, accelerator, resume_from)
-    finish(accelerator)  # after train() has returned: its model is gone
+    finish(accelerator)
     sys.exit(status)
 
 
@@ -179,8 +179,8 @@ def build_dataloaders(args, accelerator, tokenizer, data):
 
 def train(args, config, accelerator, resume_from: str | None) -> int:
     """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
-    run = RunRecord(args, "finetune_causal_lm", accelerator, config, DATA_FLAGS, resume_from)  # checks a resume
-    claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
+    run = RunRecord(args, "finetune_causal_lm", accelerator, config, DATA_FLAGS, resume_from)
+    claim_output_dir(args, accelerator)
     ga = args.gradient_accumulation_steps
     tokenizer, data = load_sft_data(args, accelerator, config, resume_from)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)

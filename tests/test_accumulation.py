@@ -92,3 +92,37 @@ def test_naive_division_by_accumulation_steps_differs():
     naive_weights, naive_losses = train(rows, 2, 4, exact=False)
     assert abs(naive_losses[0] - big_losses[0]) > 100 * TOL
     assert max_diff(naive_weights, big_weights) > 100 * TOL
+
+
+class MeanLossLlama(LlamaForCausalLM):
+    """A model adapted the usual way: its forward drops `num_items_in_batch`, so its loss is a per-batch mean."""
+
+    def forward(self, *args, num_items_in_batch=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model_class, accumulation, stops", [
+    (MeanLossLlama, 4, True),  # the loss would be scaled x4: gradients 4 times too large
+    (MeanLossLlama, 1, False),  # scale 1 on one process: a per-batch mean is then exact
+    (LlamaForCausalLM, 4, False),
+])
+def test_a_model_that_ignores_num_items_in_batch_is_stopped_with_one_line(model_class, accumulation, stops, capsys):
+    from common.accumulation import check_loss_honours_num_items
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = accelerator.prepare(model_class(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, num_attention_heads=4)))
+    if not stops:
+        check_loss_honours_num_items(model, accelerator)
+        assert model.training  # the probe leaves the model as it found it
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        check_loss_honours_num_items(model, accelerator)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: MeanLossLlama's loss ignores num_items_in_batch (doubling it changed the loss by "
+                          "x1, not x0.5), so its gradients would come out 4 times too large")
