@@ -32,7 +32,7 @@ logger = get_logger(__name__)
 def build_accelerator(args: argparse.Namespace) -> Accelerator:
     """One Accelerator for every launch: plain python, `accelerate launch` (1..N processes), DeepSpeed, FSDP.
 
-    On machines without CUDA three traps are avoided (measured, see README "CPU runs"):
+    On machines without CUDA three traps are avoided (measured, see docs/techniques.md "CPU runs"):
     - DDP launched without `cpu=True` starts N *unsynchronised* processes without any error;
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
     - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.

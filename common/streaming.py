@@ -9,7 +9,7 @@ shuffle buffer; shuffle the corpus beforehand.
 
 Exact resume: every checkpoint holds, per process, `stream_position_rank<R>.json` — the pass number and the
 StatefulDataLoader's state (the `datasets` stream's position, down to the document inside a map batch). The traps
-avoided (measured, see README "Streaming corpora"): the stream is split once (here; accelerate would split it
+avoided (measured, see docs/streaming.md): the stream is split once (here; accelerate would split it
 again when the loader goes through `accelerator.prepare`), and the loader's state is not left to `save_state`
 (which writes one file that every rank overwrites).
 """
