@@ -126,6 +126,19 @@ def test_too_little_data_is_one_line_too(tmp_path):
                                                     " use more data or a smaller --block_size")
 
 
+def test_warmup_longer_than_an_epoch_based_run_is_one_line(tmp_path, corpus):
+    """The run's length from --num_train_epochs is known only once the data is counted: refused then, untrained."""
+    proc = run_script("pretrain_llama.py", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+                      "--tokenizer_vocab_size", "300", "--block_size", "64", "--per_device_train_batch_size", "32",
+                      "--warmup_steps", "1000", "--cache_dir", str(tmp_path / "c"), "--output_dir",
+                      str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --warmup_steps 1000 is more than the run's ") and last.endswith(
+        " optimizer steps: the learning rate would never reach --learning_rate"), last
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
 def test_fsdp1_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_path):
     """FSDP2 runs on CPU (tests/test_fsdp.py); FSDP1 would quietly become DDP there: one line."""
     from common.runtime import build_accelerator
