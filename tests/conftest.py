@@ -32,7 +32,8 @@ def launcher(config: str, num_processes: int = 2) -> list[str]:
 
 def run_script(script: str, *args: str, launcher: list[str] | None = None, env: dict | None = None,
                timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `scripts/<script>` (with `python`, or `launcher` such as `accelerate launch ...`) and return the result."""
+    """Run `scripts/<script>`, or a tool given by its absolute path (with `python`, or `launcher` such as
+    `accelerate launch ...`), and return the result."""
     cmd = (launcher or [sys.executable]) + [os.path.join(SCRIPTS, script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})

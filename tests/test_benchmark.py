@@ -1,13 +1,16 @@
-"""scripts/benchmark.py: complete, well-formed outputs (not timings), and a plain loop that does the same work."""
+"""benchmarks/benchmark.py: complete, well-formed outputs (not timings), and a plain loop that does the same work."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script
+
+BENCHMARK, PLAIN_LOOP = (os.path.join(ROOT, "benchmarks", name) for name in ("benchmark.py", "plain_loop.py"))
 
 REQUIRED = ("tokens_per_second", "samples_per_second", "peak_memory_bytes", "final_loss", "step_time_median_s",
             "speed_vs_baseline", "memory_vs_baseline")
@@ -18,7 +21,7 @@ def bench(tmp_path_factory, corpus):
     out = tmp_path_factory.mktemp("bench")
     # On a CPU, fp16 is listed as not run (with its reason) rather than failing the benchmark.
     methods = "baseline,accumulation,plain_pytorch" + ("" if torch.cuda.is_available() else ",fp16")
-    run_script("benchmark.py", "--quick", "--methods", methods, "--warm_steps", "1", "--timed_steps", "2",
+    run_script(BENCHMARK, "--quick", "--methods", methods, "--warm_steps", "1", "--timed_steps", "2",
                "--seq_len", "64", "--output_dir", str(out / "out"),
                "--", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
                "--tokenizer_vocab_size", "512", "--cache_dir", str(out / "cache"))
@@ -68,7 +71,7 @@ def test_plain_loop_writes_metrics_in_the_same_format(bench):
 
 def test_plain_loop_runs_alone_on_a_fresh_cache(tmp_path, corpus):
     """It trains its own tokenizer when none is cached (it is not only ever run after the script it mirrors)."""
-    run_script("plain_loop.py", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+    run_script(PLAIN_LOOP, "--train_file", corpus["train"], "--validation_file", corpus["validation"],
                "--tokenizer_vocab_size", "512", "--block_size", "64", "--max_steps", "2", "--logging_steps", "1",
                "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"))
     assert [r["step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 2]
@@ -92,7 +95,7 @@ def test_markdown_and_chart(bench):
     (["--timed_steps", "1"], "error: --timed_steps must be >= 2"),
 ])
 def test_bad_input_fails_fast_with_one_line(tmp_path, args, message):
-    proc = run_script("benchmark.py", "--output_dir", str(tmp_path), *args, check=False, timeout=120)
+    proc = run_script(BENCHMARK, "--output_dir", str(tmp_path), *args, check=False, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(message)
     assert not (tmp_path / "runs").exists()

@@ -1,26 +1,47 @@
-"""The code stays readable as it grows: imports point one way and no function hides a loop in hundreds of lines."""
+"""The code stays readable as it grows: scripts/ holds only the recipes, imports point one way, and no function hides
+a loop in hundreds of lines.
+
+Layout: scripts/ (the three recipes users copy), common/ (what they share), and the tools around them, each a package
+named for what it is: benchmarks/, tools/, gpu_suite/. Tools import each other by package path
+(`from benchmarks import benchmark`) with the repository root on sys.path; a bare `import benchmark` works only when
+some code has put a tool's folder on sys.path, which hides what depends on what, so it fails here.
+"""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "common").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+RECIPES = {"pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py"}
+TOOL_PACKAGES = ("benchmarks", "tools", "gpu_suite")
+FOLDERS = ("common", "scripts") + TOOL_PACKAGES
+SOURCES = sorted(path for folder in FOLDERS for path in (ROOT / folder).glob("*.py"))
+MODULES = SOURCES + sorted((ROOT / "tests").glob("*.py"))  # what must not import a recipe or use a bare name
+# The name a bare import of a file of these folders would use: `import pretrain_llama`, `from benchmark import x`.
+BARE_NAMES = {path.stem: path.relative_to(ROOT) for folder in ("scripts",) + TOOL_PACKAGES
+              for path in (ROOT / folder).glob("*.py") if path.stem not in ("__init__", "__main__")}
 MAX_FUNCTION_LINES = 100
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """Every `common.*` / `scripts.*` module the file imports, type-checking-only imports included."""
+def _imports(path: Path) -> set[str]:
+    """Every module the file imports, type-checking-only and function-level imports included; relative imports
+    resolved against the file's package."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        if isinstance(node, ast.ImportFrom):
+            package = path.parent.name if node.level else ""
+            names.add(".".join(part for part in (package, node.module) if part))
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-    return {name for name in names if name.split(".")[0] in ("common", "scripts")}
+    return names
+
+
+def _project_imports(path: Path) -> set[str]:
+    """The imports of this project's code: by package path (`common.args`, `gpu_suite.suite`) or by a bare name."""
+    return {name for name in _imports(path) if name.split(".")[0] in FOLDERS or name.split(".")[0] in BARE_NAMES}
 
 
 def test_common_modules_import_each_other_without_a_cycle():
-    graph = {f"common.{p.stem}": _imported_modules(p) for p in (ROOT / "common").glob("*.py")}
+    graph = {f"common.{p.stem}": _project_imports(p) for p in (ROOT / "common").glob("*.py")}
     done, on_path = set(), []
 
     def visit(module: str) -> None:
@@ -37,10 +58,37 @@ def test_common_modules_import_each_other_without_a_cycle():
         visit(module)
 
 
-def test_no_module_imports_a_script():
-    for path in SOURCES:
-        imported = sorted(m for m in _imported_modules(path) if m.startswith("scripts"))
-        assert not imported, f"{path.relative_to(ROOT)} imports {imported}: shared code belongs in common/"
+def test_common_imports_nothing_outside_common():
+    outside = {f"{path.relative_to(ROOT)} imports {name}" for path in (ROOT / "common").glob("*.py")
+               for name in _project_imports(path) if name.split(".")[0] != "common"}
+    assert not outside, f"common/ holds what the recipes share and depends on nothing else here: {sorted(outside)}"
+
+
+def test_no_module_imports_a_recipe():
+    recipes = {"scripts"} | {Path(name).stem for name in RECIPES}  # by package path or by a bare name
+    found = sorted(f"{path.relative_to(ROOT)} imports {name}" for path in MODULES for name in _imports(path)
+                   if name.split(".")[0] in recipes)
+    assert not found, f"a recipe is read and copied, never imported: shared code belongs in common/: {found}"
+
+
+def test_no_module_imports_a_tool_by_a_bare_name():
+    found = sorted(f"{path.relative_to(ROOT)} imports {name} ({BARE_NAMES[name.split('.')[0]]})" for path in MODULES
+                   for name in _imports(path) if name.split(".")[0] in BARE_NAMES)
+    assert not found, f"import these by their package path (from benchmarks import benchmark), after putting the " \
+                      f"repository root on sys.path: {found}"
+
+
+def test_scripts_holds_only_the_recipes():
+    files = {p.name for p in (ROOT / "scripts").iterdir() if p.name != "__pycache__"}
+    assert files == RECIPES, f"scripts/ is for the recipes users copy; tools go to {', '.join(TOOL_PACKAGES)}: " \
+                             f"{sorted(files - RECIPES)}"
+
+
+def test_tool_folders_are_packages_that_say_what_they_are():
+    for folder in TOOL_PACKAGES:
+        init = ROOT / folder / "__init__.py"
+        assert init.is_file(), f"{folder}/ needs an __init__.py (imported as a package)"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{folder}/__init__.py: say what the folder is"
 
 
 def test_no_function_is_longer_than_a_screenful_or_two():

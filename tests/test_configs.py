@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCRIPTS
+from conftest import ROOT
 
 DS_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
 YAMLS = sorted(glob.glob(os.path.join(ROOT, "accelerate_configs", "*.yaml")))
+ESTIMATE_MEMORY = os.path.join(ROOT, "tools", "estimate_memory.py")
 FLAG_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
 
 
@@ -207,8 +208,7 @@ def test_no_deepspeed_no_check(tmp_path):
 
 @pytest.fixture(scope="module")
 def estimator():
-    sys.path.insert(0, SCRIPTS)
-    import estimate_memory
+    from tools import estimate_memory
 
     return estimate_memory
 
@@ -287,7 +287,7 @@ def test_preset_shape_counts_the_real_model(estimator):
 
 
 def test_cli_prints_a_markdown_table_and_a_pick(estimator):
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "estimate_memory.py"), "--params", "70e9",
+    proc = subprocess.run([sys.executable, ESTIMATE_MEMORY, "--params", "70e9",
                            "--num_gpus", "16", "--gpu_memory_gb", "80"], capture_output=True, text=True, check=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + 9  # header + one per option
@@ -302,6 +302,6 @@ def test_cli_prints_a_markdown_table_and_a_pick(estimator):
 
 
 def test_cli_bad_input_is_one_line():
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "estimate_memory.py"), "--num_gpus", "2"],
+    proc = subprocess.run([sys.executable, ESTIMATE_MEMORY, "--num_gpus", "2"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == "error: give --params, --model_preset or --config_name\n"

@@ -1,10 +1,12 @@
-"""scripts/gpu_suite.sh --dry-run: the GPU suite's plumbing on a CPU, so that it cannot rot between GPU sessions.
+"""The GPU suite's dry run: its plumbing on a CPU, so that it cannot rot between GPU sessions.
 
 The dry run really runs every selected row that a CPU can run (tiny preset, 3 steps, block 64, a corpus made here)
 and reports every CUDA-only row as SKIP, never as PASS. To stay well under two minutes on a 2-core machine, the test
 leaves out the rows whose cost on a CPU is a one-time build rather than the suite's plumbing: torch.compile (a cold
 inductor build takes minutes on two cores), DeepSpeed's CPU Adam for the offload rows (a C++ build), and the compiled
 performance methods. ZeRO-2 stays in as the accelerate-launch row; tests/test_distributed.py covers ZeRO on CPUs.
+The dry run goes through tools/lent_gpu.sh (the lent GPU machine's wrapper: with --dry-run it passes through to
+`python -m gpu_suite` and turns $OUT into --copy_to), so that the wrapper is proven with the suite.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, SCRIPTS
+from conftest import ROOT
 
 SKIPPED_HERE = "compile,zero1,zero3,*offload,perf_bf16_compile*,perf_plain_loop"
 CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
@@ -34,7 +36,7 @@ def dry_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_suite")
     results_before = sorted(os.listdir(os.path.join(ROOT, "docs", "results")))
     proc = subprocess.run(
-        ["bash", os.path.join(SCRIPTS, "gpu_suite.sh"), "--dry-run", "--skip", SKIPPED_HERE,
+        ["bash", os.path.join(ROOT, "tools", "lent_gpu.sh"), "--dry-run", "--skip", SKIPPED_HERE,
          "--work_dir", str(d / "work"), "--results_dir", str(d / "results")],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
         env={**os.environ, "PYTHON": sys.executable, "OUT": str(d / "out")})
@@ -111,19 +113,18 @@ def test_results_files_parse_and_say_dry_run(dry_run):
 
 
 def test_largest_preset_per_technique_from_the_estimator():
-    sys.path.insert(0, SCRIPTS)
-    import gpu_suite
+    from gpu_suite.performance import largest_fitting_presets
 
-    big_host = gpu_suite.largest_fitting_presets(80e9, 1e12, seq=2048, batch=4)
+    big_host = largest_fitting_presets(80e9, 1e12, seq=2048, batch=4)
     assert big_host["AdamW"]["preset"] == "1b" and big_host["8-bit AdamW + checkpointing"]["preset"] == "1b"
     assert big_host["ZeRO-3 offload + checkpointing"]["preset"] == "8b"  # 18 B/param on the host, ~0 on the GPU
-    small_host = gpu_suite.largest_fitting_presets(80e9, 64e9, seq=2048, batch=4)
+    small_host = largest_fitting_presets(80e9, 64e9, seq=2048, batch=4)
     assert small_host["ZeRO-3 offload + checkpointing"]["preset"] == "1b"
-    assert gpu_suite.largest_fitting_presets(1e9, 1e12, seq=2048, batch=4)["AdamW"] is None
+    assert largest_fitting_presets(1e9, 1e12, seq=2048, batch=4)["AdamW"] is None
 
 
 def test_a_gpu_part_on_a_cpu_is_refused_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "gpu_suite.py"), "--part", "1",
+    proc = subprocess.run([sys.executable, "-m", "gpu_suite", "--part", "1",
                            "--results_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no CUDA GPU here")
     assert not os.listdir(tmp_path)

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Benchmark a training script under each speed/memory technique, against a plain PyTorch loop.
 
-    python scripts/benchmark.py --quick                               # a few minutes on a 2-core CPU
-    python scripts/benchmark.py --repeats 3                           # CPU: small preset; GPU: 1b preset, seq 2048
-    python scripts/benchmark.py --methods baseline,bf16,plain_pytorch -- --train_file my.jsonl
-    python scripts/benchmark.py --script scripts/finetune_classifier.py --methods baseline,bf16 \\
+    python benchmarks/benchmark.py --quick                               # a few minutes on a 2-core CPU
+    python benchmarks/benchmark.py --repeats 3                           # CPU: small preset; GPU: 1b preset, seq 2048
+    python benchmarks/benchmark.py --methods baseline,bf16,plain_pytorch -- --train_file my.jsonl
+    python benchmarks/benchmark.py --script scripts/finetune_classifier.py --methods baseline,bf16 \\
         -- --model_name_or_path my-bert --train_file train.jsonl --validation_file dev.jsonl
 
 Each method runs in a fresh process for `--warm_steps` + `--timed_steps` optimizer steps with `--logging_steps 1`;
 the timed steps are read back from the run's metrics.jsonl (its `time` stamps, tokens/s, peak memory, MFU, loss).
-Arguments after `--` go to every run of the script. `plain_pytorch` runs scripts/plain_loop.py (the same job without
+Arguments after `--` go to every run of the script. `plain_pytorch` runs benchmarks/plain_loop.py (the same job without
 accelerate) with the flags of `--plain_reference`, and the table reports our tokens/s over it.
 Outputs in --output_dir: results.json (a list of rows, each with its `environment`), results.md, results.png.
 """
@@ -39,7 +39,7 @@ import torch
 from common.flags import ArgumentParser
 from common.errors import fail
 
-PRETRAIN, PLAIN = os.path.join("scripts", "pretrain_llama.py"), os.path.join("scripts", "plain_loop.py")
+PRETRAIN, PLAIN = os.path.join("scripts", "pretrain_llama.py"), os.path.join("benchmarks", "plain_loop.py")
 RUN_FLAGS = ("--output_dir", "--max_steps", "--logging_steps", "--eval_steps", "--checkpointing_steps",
              "--resume_from_checkpoint")  # set by the benchmark (the timed window must hold training steps only)
 VERSIONS = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "bitsandbytes")
@@ -47,7 +47,7 @@ VERSIONS = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "bit
 
 def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | None = None):
     """The benchmark's flags. `extra_methods` adds rows to the method table (same shape as `method_table`'s), for
-    callers such as scripts/gpu_suite.py that time their own combinations with this machinery."""
+    callers such as the GPU suite (gpu_suite/performance.py) that time their own combinations with this machinery."""
     argv = sys.argv[1:] if argv is None else argv
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv

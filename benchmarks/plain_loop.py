@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The reference loop for the benchmark: the pretraining job in plain PyTorch, without accelerate.
 
-    python scripts/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 1
+    python benchmarks/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 1
 
 It takes the flags of scripts/pretrain_llama.py (the same groups and checks) and does the same work per
 optimizer step: the same data pipeline, tokenizer, blocks, shuffle and batch (common/data.py), the same model and

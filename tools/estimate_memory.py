@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Which launch config fits a model: per-GPU and host memory of every option in accelerate_configs/, as Markdown.
 
-    python scripts/estimate_memory.py --model_preset 1b --num_gpus 1 --gpu_memory_gb 80
-    python scripts/estimate_memory.py --params 70e9 --num_gpus 16 --gpus_per_node 8 --gpu_memory_gb 80
-    python scripts/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
+    python tools/estimate_memory.py --model_preset 1b --num_gpus 1 --gpu_memory_gb 80
+    python tools/estimate_memory.py --params 70e9 --num_gpus 16 --gpus_per_node 8 --gpu_memory_gb 80
+    python tools/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
 
 Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed precision, AdamW):
 - Plain PyTorch with autocast (single_gpu.yaml, multi_gpu.yaml): fp32 weights 4 + fp32 gradients 4 + Adam m and v 8

@@ -1,11 +1,12 @@
-"""How scripts/gpu_suite.py starts a training script: a subprocess, or a process forked from a preloaded server.
+"""How the suite starts a training script: a subprocess, or a process forked from a preloaded server.
 
 Importing torch, transformers, datasets and accelerate takes ~6 s of a ~8 s tiny CPU run, so a suite of twenty
-short runs spends most of its time importing. With `prefork`, a multiprocessing fork server imports the scripts'
-modules once and every run is a fork of it that executes the script as `__main__` (runpy), with the same argv,
-working directory and exit status as `python scripts/<script>.py ...`. The server never touches CUDA, but forking
-a process that has loaded CUDA libraries is a risk not worth taking on an untested GPU machine: the suite uses it on
-CPUs only unless told otherwise. Launcher commands (`accelerate launch ...`) always run as subprocesses.
+short runs spends most of its time importing. With `prefork`, a multiprocessing fork server imports once what the
+recipes import (gpu_suite/preload.py; a recipe itself is never imported) and every run is a fork of it that executes
+the script as `__main__` (runpy), with the same argv, working directory and exit status as
+`python scripts/<script>.py ...`. The server never touches CUDA, but forking a process that has loaded CUDA
+libraries is a risk not worth taking on an untested GPU machine: the suite uses it on CPUs only unless told otherwise.
+Launcher commands (`accelerate launch ...`) always run as subprocesses.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ import signal
 import subprocess
 import sys
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(SCRIPTS)
-# Imported once in the fork server: the scripts' own module-level imports (their mains are guarded), and the suite's
-# (each fork re-runs the parent's main module first, multiprocessing's "prepare": cheap once its imports are there).
-PRELOAD = ["pretrain_llama", "finetune_causal_lm", "finetune_classifier", "gpu_suite"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pin_to(core: int | None) -> None:
@@ -42,7 +39,6 @@ def run_script_in_child(script: str, argv: list[str], log_path: str, cwd: str, c
     os.close(fd)
     os.chdir(cwd)
     sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(script))  # as `python script.py` would (plain_loop imports pretrain_llama)
     runpy.run_path(script, run_name="__main__")
 
 
@@ -54,9 +50,10 @@ class Runner:
         self.context = None
         if prefork:
             self.context = multiprocessing.get_context("forkserver")
-            # deepspeed (imported by accelerate's unwrap_model, ~1 s a run) only where it cannot look for a GPU
+            # deepspeed (imported by accelerate's unwrap_model, ~1 s a run) only where it cannot look for a GPU; this
+            # module: each fork unpickles its target from it
             cpu_deepspeed = ["deepspeed"] if os.environ.get("DS_ACCELERATOR") == "cpu" else []
-            self.context.set_forkserver_preload(PRELOAD + cpu_deepspeed)
+            self.context.set_forkserver_preload(["gpu_suite.preload"] + cpu_deepspeed + [__name__])
 
     def start(self) -> None:
         """Start the fork server (now: its imports overlap with the suite's own preparation; idempotent)."""
@@ -64,10 +61,10 @@ class Runner:
             return
         from multiprocessing import forkserver
 
-        # Python 3.11's fork server does not take the parent's sys.path: it finds the scripts through PYTHONPATH,
-        # set for its start only (the suite's subprocesses keep the caller's).
+        # Python 3.11's fork server does not take the parent's sys.path: it finds common/ and this package through
+        # PYTHONPATH, set for its start only (the suite's subprocesses keep the caller's).
         before = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([SCRIPTS, ROOT] + ([before] if before else []))
+        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + ([before] if before else []))
         try:
             forkserver.ensure_running()
         finally:

@@ -1,0 +1,161 @@
+"""Part 1, correctness on CUDA: one row per precision, optimizer, memory technique and launcher, and their checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from gpu_suite.checks import export_problems, loss_figure, loss_problems, verdict, weight_distance
+from gpu_suite.suite import CLASSIFIER, FAIL, PRETRAIN, SFT, Outcome, Row, Suite
+
+BF16_RTOL = 2e-2  # bf16 keeps 8 significant bits (0.4 % per rounding); a few steps of different summation orders
+
+
+def pretrain_row(name: str, what: str, flags: list[str], config: str | None = None, cuda_only: str | None = None,
+                 needs: tuple[str, ...] = (), slow: bool = False) -> Row:
+    """A pretraining run with `flags` (under an accelerate config when given): loss finite and falling, export loads."""
+    def check(suite: Suite) -> Outcome:
+        run = suite.train(name, PRETRAIN, suite.pretrain_args() + flags, config)
+        if run.error:
+            return Outcome(FAIL, run.error)
+        return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
+                       loss_figure(run) + "; export loads")
+    return Row(name, 1, what, check, cuda_only, needs, slow)
+
+
+def check_bf16(suite: Suite) -> Outcome:
+    run = suite.reference_run()
+    if run.error:
+        return Outcome(FAIL, run.error)
+    return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
+                   loss_figure(run) + "; export loads")
+
+
+def check_fp16(suite: Suite) -> Outcome:
+    """fp16 with loss scaling: a step whose gradients overflowed (non-finite norm) is skipped and so is its scheduler
+    step (the next step's lr is the same), while every other step moves the schedule on (warmup + decay: every lr
+    differs)."""
+    run = suite.train("fp16", PRETRAIN, suite.pretrain_args() + ["--fp16", "--warmup_steps", "4"])
+    if run.error:
+        return Outcome(FAIL, run.error)
+    steps = [r for r in run.metrics if "lr" in r]
+    skipped = [r["step"] for r in steps if not math.isfinite(r["grad_norm"])]
+    wrong = [a["step"] for a, b in zip(steps, steps[1:])
+             if (a["step"] in skipped) != (b["lr"] == a["lr"])]
+    problems = loss_problems(run, suite.settings.steps) + export_problems(run.out)
+    if wrong:
+        problems.append(f"the schedule moved on an overflowed step or stood still on a good one at steps {wrong}")
+    note = f"{len(skipped)} overflowed step(s) {skipped} left the lr alone" if skipped else \
+        "no step overflowed (schedule check not exercised)"
+    return verdict(problems, f"{loss_figure(run)}; {note}", {"skipped_steps": skipped})
+
+
+def check_eager(suite: Suite) -> Outcome:
+    """Eager attention trains, and its first loss (same init, same batch) equals SDPA's within bf16 tolerance."""
+    run = suite.train("eager", PRETRAIN, suite.pretrain_args() + ["--bf16", "--attn_implementation", "eager"])
+    reference = suite.reference_run()
+    if run.error or reference.error:
+        return Outcome(FAIL, run.error or f"the bf16 reference run failed: {reference.error}")
+    problems = loss_problems(run, suite.settings.steps) + export_problems(run.out)
+    gap = abs(run.losses[0] - reference.losses[0]) / abs(reference.losses[0]) if run.losses and reference.losses \
+        else math.inf
+    if not gap <= BF16_RTOL:
+        problems.append(f"first loss differs from SDPA's by {gap:.2e} (tolerance {BF16_RTOL})")
+    return verdict(problems, f"{loss_figure(run)}; first loss vs SDPA {gap:.1e}", {"relative_gap": gap})
+
+
+def check_accumulation(suite: Suite) -> Outcome:
+    """2 x 4 accumulation sees the same 8 sequences per optimizer step as 8 x 1: the same losses and weights within
+    bf16 tolerance."""
+    batch = suite.settings.batch
+    flags = ["--bf16", "--per_device_train_batch_size", str(batch // 4), "--gradient_accumulation_steps", "4"]
+    run = suite.train("accumulation", PRETRAIN, suite.pretrain_args() + flags)
+    reference = suite.reference_run()
+    if run.error or reference.error:
+        return Outcome(FAIL, run.error or f"the bf16 (8 x 1) run failed: {reference.error}")
+    problems = loss_problems(run, suite.settings.steps)
+    gaps = [abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses)]
+    loss_gap = max(gaps) if gaps and len(run.losses) == len(reference.losses) else math.inf
+    weight_gap = weight_distance(reference.out, run.out)
+    if not loss_gap <= BF16_RTOL:
+        problems.append(f"losses differ from 8 x 1 by up to {loss_gap:.2e} (tolerance {BF16_RTOL})")
+    if not weight_gap <= BF16_RTOL:
+        problems.append(f"weights differ from 8 x 1 by {weight_gap:.2e} relative (tolerance {BF16_RTOL})")
+    return verdict(problems, f"{batch // 4}x4 vs {batch}x1: losses within {loss_gap:.1e}, weights {weight_gap:.1e}",
+                   {"loss_gap": loss_gap, "weight_gap": weight_gap})
+
+
+def check_sft(suite: Suite) -> Outcome:
+    """scripts/finetune_causal_lm.py on prompt/completion pairs (loss on the completions) from a tiny base model."""
+    precision = ["--bf16"]
+    run = suite.train("sft", SFT, ["--model_name_or_path", suite.data["sft_model"], "--train_file",
+                                   suite.data["sft_train"], "--validation_file", suite.data["sft_validation"],
+                                   "--max_seq_length", "256", "--learning_rate", "1e-3", "--max_steps",
+                                   str(suite.settings.steps), "--per_device_train_batch_size", "8",
+                                   "--logging_steps", "1", "--seed", "0", *precision])
+    if run.error:
+        return Outcome(FAIL, run.error)
+    return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
+                   loss_figure(run) + "; export loads")
+
+
+def check_classifier(suite: Suite) -> Outcome:
+    """scripts/finetune_classifier.py: the packaged MiniLM must reach 90 % accuracy in one epoch (6 steps), as in
+    tests/test_finetune_classifier.py; a tiny BERT (where the package is absent) only has to train and export."""
+    precision = ["--bf16"] if suite.cuda else []
+    run = suite.train("classifier", CLASSIFIER, [
+        "--model_name_or_path", suite.data["cls_model"], "--train_file", suite.data["cls_train"],
+        "--validation_file", suite.data["cls_validation"], "--num_train_epochs", "1", "--per_device_train_batch_size",
+        "16", "--learning_rate", "2e-4", "--group_by_length", "--freeze_embeddings", "--logging_steps", "1",
+        "--seed", "0", *precision])
+    if run.error:
+        return Outcome(FAIL, run.error)
+    with open(os.path.join(run.out, "all_results.json"), encoding="utf-8") as f:
+        accuracy = json.load(f).get("eval_accuracy", math.nan)
+    minilm = suite.data["cls_model_name"] == "all-MiniLM-L6-v2"
+    problems = loss_problems(run, 6, falling=False) + export_problems(run.out, head="classifier")
+    if minilm and not accuracy >= 0.9:
+        problems.append(f"accuracy {accuracy:.3f} < 0.9")
+    return verdict(problems, f"{suite.data['cls_model_name']}: accuracy {accuracy:.3f}, {loss_figure(run)}",
+                   {"eval_accuracy": accuracy})
+
+
+def part1_rows() -> list[Row]:
+    bnb, ds = ("bitsandbytes",), ("deepspeed",)
+    one_gpu = "DeepSpeed on one GPU"
+    rows = [
+        Row("bf16", 1, "bf16 autocast, SDPA attention, 8 x 1 (the reference of eager and accumulation)", check_bf16),
+        Row("fp16", 1, "fp16 with loss scaling; an overflowed step leaves the schedule alone", check_fp16,
+            cuda_only="fp16 loss scaling needs CUDA (the scripts refuse it on a CPU)"),
+        pretrain_row("tf32", "fp32 weights, TF32 matmuls (--tf32)", ["--mixed_precision", "no", "--tf32"],
+                     cuda_only="TF32 needs an NVIDIA GPU (Ampere or newer)"),
+        Row("eager", 1, "eager attention; first loss equals SDPA's", check_eager),
+        pretrain_row("compile", "--torch_compile (inductor), bf16; the export has no _orig_mod. keys",
+                     ["--bf16", "--torch_compile"], slow=True),
+        pretrain_row("fused_adamw", "--optim adamw_torch_fused, bf16", ["--bf16", "--optim", "adamw_torch_fused"]),
+        pretrain_row("adamw_8bit", "--optim adamw_8bit (bitsandbytes), bf16", ["--bf16", "--optim", "adamw_8bit"],
+                     needs=bnb),
+        pretrain_row("paged_adamw_8bit", "--optim paged_adamw_8bit (non-paged fallback on a CPU), bf16",
+                     ["--bf16", "--optim", "paged_adamw_8bit"], needs=bnb),
+        pretrain_row("adafactor", "--optim adafactor, bf16", ["--bf16", "--optim", "adafactor"]),
+        pretrain_row("gradient_checkpointing", "--gradient_checkpointing, bf16",
+                     ["--bf16", "--gradient_checkpointing"]),
+        pretrain_row("moe", "--model_preset moe-tiny (Mixtral-style top-2 of 4 experts), bf16",
+                     ["--bf16", "--model_preset", "moe-tiny"]),
+        Row("accumulation", 1, "2 x 4 accumulation = 8 x 1 within bf16 tolerance (losses and weights)",
+            check_accumulation),
+    ]
+    for stage in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"):
+        rows.append(pretrain_row(stage, f"DeepSpeed {stage.replace('_', ' + ')} ({one_gpu}), bf16, export gathered",
+                                 ["--bf16"], config=f"deepspeed_{stage}.yaml", needs=ds, slow="offload" in stage))
+    rows += [
+        pretrain_row("fsdp2", "FSDP2 full shard on one process (fsdp2.yaml, bf16), export gathered", [],
+                     config="fsdp2.yaml"),
+        pretrain_row("fp8", "FP8 matmuls through torchao (fp8.yaml)", [], config="fp8.yaml", needs=("torchao",),
+                     cuda_only="FP8 matmuls need an NVIDIA GPU of compute capability 8.9+ (H100/H200)", slow=True),
+        Row("sft", 1, "scripts/finetune_causal_lm.py: prompt/completion SFT of a tiny Llama, bf16", check_sft),
+        Row("classifier", 1, "scripts/finetune_classifier.py: the packaged MiniLM reaches >= 90 % accuracy",
+            check_classifier),
+    ]
+    return rows

@@ -1,0 +1,195 @@
+"""Part 2, performance: the benchmark's table (benchmarks/benchmark.py) as rows, peaks against the memory estimate."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+
+import torch
+
+from benchmarks import benchmark
+from common.modeling import LLAMA_PRESETS
+from gpu_suite.suite import CONFIGS, FAIL, PASS, Outcome, Row, Suite
+from tools import estimate_memory
+
+MFU_GOAL = 0.5
+# suite row -> benchmark method; plain_pytorch mirrors bf16_compile (--plain_reference), the MFU goal reads it.
+PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile",
+                "perf_bf16_compile_checkpointing": "bf16_compile_checkpointing", "perf_fp8_compile": "fp8_compile",
+                "perf_bf16_compile_8bit": "bf16_compile_8bit", "perf_plain_loop": "plain_pytorch",
+                "perf_mfu_goal": "bf16_compile"}
+# benchmark method -> (estimate_memory row flags, activation checkpointing); fp8 is estimated as bf16
+ESTIMATED_AS = {"bf16_compile": ("", False), "plain_pytorch": ("", False), "fp8_compile": ("", False),
+                "bf16_compile_checkpointing": ("", True), "bf16_compile_8bit": ("--optim adamw_8bit", False)}
+TECHNIQUES = {  # label -> (accelerate config, flags, activation checkpointing), as tools/estimate_memory.py rows
+    "AdamW": ("single_gpu.yaml", "", False),
+    "AdamW + checkpointing": ("single_gpu.yaml", "", True),
+    "8-bit AdamW": ("single_gpu.yaml", "--optim adamw_8bit", False),
+    "8-bit AdamW + checkpointing": ("single_gpu.yaml", "--optim adamw_8bit", True),
+    "ZeRO-2 offload + checkpointing": ("deepspeed_zero2_offload.yaml", "", True),
+    "ZeRO-3 offload + checkpointing": ("deepspeed_zero3_offload.yaml", "", True),
+}
+
+
+def perf_extra_methods(cuda: bool) -> dict[str, dict]:
+    """The suite's combinations, added to benchmark.py's method table (bf16_compile and baseline are its own)."""
+    half_compile = ["--bf16", "--torch_compile"]
+    fused = ["--optim", "adamw_torch_fused"] if cuda else []
+    fp8_launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    os.path.join(CONFIGS, "fp8.yaml"), "--num_processes", "1"]
+    return {
+        "bf16_compile_checkpointing": {"flags": half_compile + fused + ["--gradient_checkpointing"]},
+        "bf16_compile_8bit": {"flags": half_compile + ["--optim", "adamw_8bit"]},
+        "fp8_compile": {"flags": ["--torch_compile"] + fused, "launcher": fp8_launcher,
+                        "skip": None if cuda else "FP8 needs an H100/H200"},
+    }
+
+
+_SHAPES: dict[str, estimate_memory.ModelShape] = {}
+
+
+def preset_shape(preset: str, vocab: int) -> estimate_memory.ModelShape:
+    if preset not in _SHAPES:  # built on the meta device: no memory, about a second for 8b
+        _SHAPES[preset] = estimate_memory.model_shape(argparse.Namespace(
+            params=None, config_name=None, model_preset=preset, vocab_size=vocab))
+    return _SHAPES[preset]
+
+
+def estimate_bytes(preset: str, vocab: int, seq: int, batch: int, config: str, flags: str,
+                   checkpointing: bool) -> tuple[float, float]:
+    """tools/estimate_memory.py's (GPU bytes, host bytes) for one option on one GPU."""
+    shape = preset_shape(preset, vocab)
+    option = next(o for o in estimate_memory.options(shape, 1, 1) if (o.config, o.flags) == (config, flags))
+    return option.states + estimate_memory.activation_bytes(shape, seq, batch, checkpointing), option.host
+
+
+def largest_fitting_presets(gpu_bytes: float, host_bytes: float, seq: int, batch: int,
+                            vocab: int = 8192) -> dict[str, dict]:
+    """Per memory technique, the largest Llama preset whose estimate fits (estimate_memory.py's 90 % headroom)."""
+    result = {}
+    for label, (config, flags, checkpointing) in TECHNIQUES.items():
+        best = None
+        for preset, shape in LLAMA_PRESETS.items():
+            if shape["max_position_embeddings"] < seq:
+                continue
+            gpu, host = estimate_bytes(preset, vocab, seq, batch, config, flags, checkpointing)
+            if estimate_memory.fits(gpu, gpu_bytes) and host <= estimate_memory.HEADROOM * host_bytes:
+                best = {"preset": preset, "gpu_bytes": gpu, "host_bytes": host}
+        result[label] = best
+    return result
+
+
+def run_benchmark(suite: Suite) -> dict:
+    """One benchmark.py run of every planned perf method; {"rows": {method: row}, "failed": {...}, "markdown": ...}."""
+    s = suite.settings
+    methods = sorted({PERF_METHODS[name] for name in suite.planned if name in PERF_METHODS})
+    argv = ["--methods", ",".join(methods), "--plain_reference", "bf16_compile", "--model_preset", s.perf_preset,
+            "--seq_len", str(s.perf_seq), "--per_device_train_batch_size", str(s.perf_batch), "--warm_steps",
+            str(s.warm_steps), "--timed_steps", str(s.timed_steps), "--output_dir",
+            os.path.join(suite.work, "benchmark")]
+    if suite.deadline is not None:
+        argv += ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
+    argv += ["--", "--cache_dir", os.path.join(suite.work, "cache"), "--tokenizer_vocab_size", str(s.perf_vocab)]
+    if not suite.cuda:  # the tiny dry run trains on the suite's small corpus; the GPU on the embedded default one
+        argv += ["--train_file", suite.data["train"], "--validation_file", suite.data["validation"]]
+    try:
+        args = benchmark.parse_args(argv, extra_methods=perf_extra_methods(suite.cuda))
+    except SystemExit as e:
+        return {"rows": {}, "failed": {m: f"benchmark.py refused its arguments (exit {e.code})" for m in methods}}
+    os.makedirs(args.output_dir, exist_ok=True)
+    env = benchmark.environment(argv)
+    env["command"] = "python benchmarks/benchmark.py " + shlex.join(argv)  # what this run is equivalent to
+    usable = os.sched_getaffinity(0)
+    if not suite.cuda:  # on a CPU its runs inherit one core (steadier figures: README, Benchmarks)
+        os.sched_setaffinity(0, {min(usable)})
+    try:
+        runs, skipped, failed = benchmark.run_all(args)
+    finally:
+        os.sched_setaffinity(0, usable)
+    failed.update({m: f"not run: {why}" for m, why in skipped.items()})
+    if "baseline" not in runs:
+        return {"rows": {}, "failed": {m: failed.get(m, "the baseline run failed") for m in methods}}
+    rows = benchmark.summarise(args, runs, env)
+    md = os.path.join(args.output_dir, "results.md")
+    benchmark.write_markdown(md, rows, env, skipped, failed, args)
+    with open(md, encoding="utf-8") as f:  # its title one level under the suite's section
+        markdown = f.read().replace("# Benchmark:", "### Benchmark:", 1)
+    return {"rows": {r["method"]: r for r in rows}, "failed": failed, "markdown": markdown}
+
+
+def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[str, ...] = ()) -> Row:
+    method = PERF_METHODS[name]
+
+    def check(suite: Suite) -> Outcome:
+        result = suite.memo("benchmark", lambda: run_benchmark(suite))
+        row = result["rows"].get(method)
+        if row is None:
+            return Outcome(FAIL, result["failed"].get(method, "no result").splitlines()[0][:240])
+        detail = {k: row[k] for k in ("tokens_per_second", "mfu", "peak_memory_bytes", "peak_memory_reserved_bytes",
+                                      "final_loss", "step_time_median_s", "speed_vs_baseline")}
+        if not all(math.isfinite(row[k]) for k in ("tokens_per_second", "final_loss")):
+            return Outcome(FAIL, f"non-finite figures {detail}", detail)
+        figure = f"{row['tokens_per_second']:,.0f} tok/s"
+        if row["mfu"] is not None:
+            figure += f", MFU {row['mfu']:.1%}"
+        figure += memory_figure(suite, method, row, detail)
+        if method == "plain_pytorch":
+            detail["ours_over_plain"] = row["ours_over_plain"]
+            figure = f"ours / plain loop {row['ours_over_plain']:.3f}x (bf16_compile flags); plain: {figure}"
+        return Outcome(PASS, figure, detail)
+    return Row(name, 2, what, check, cuda_only, needs)
+
+
+def memory_figure(suite: Suite, method: str, row: dict, detail: dict) -> str:
+    if not suite.cuda:
+        return f", peak RSS {row['peak_memory_bytes'] / 2**20:,.0f} MiB (a CPU process: no estimate)"
+    text = f", peak {row['peak_memory_bytes'] / 2**30:.1f}/{(row['peak_memory_reserved_bytes'] or 0) / 2**30:.1f} " \
+           "GiB alloc/reserved"
+    if method in ESTIMATED_AS:
+        s = suite.settings
+        flags, checkpointing = ESTIMATED_AS[method]
+        estimate, _ = estimate_bytes(s.perf_preset, s.perf_vocab, s.perf_seq, s.perf_batch, "single_gpu.yaml", flags,
+                                     checkpointing)
+        detail["estimate_bytes"] = estimate
+        text += f" vs estimate {estimate / 2**30:.1f} GiB ({row['peak_memory_bytes'] / estimate:.2f}x)"
+    return text
+
+
+def check_mfu_goal(suite: Suite) -> Outcome:
+    result = suite.memo("benchmark", lambda: run_benchmark(suite))
+    row = result["rows"].get("bf16_compile")
+    if row is None or row["mfu"] is None:
+        return Outcome(FAIL, "no bf16_compile MFU: " + result["failed"].get("bf16_compile", "unknown GPU")[:200])
+    status = PASS if row["mfu"] >= MFU_GOAL else FAIL
+    return Outcome(status, f"bf16 + compile + fused AdamW: MFU {row['mfu']:.1%} (goal >= {MFU_GOAL:.0%})",
+                   {"mfu": row["mfu"]})
+
+
+def check_largest_presets(suite: Suite) -> Outcome:
+    s = suite.settings
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fitting = largest_fitting_presets(gpu, host, s.perf_seq, s.perf_batch, s.perf_vocab)
+    figure = "; ".join(f"{label}: {v['preset'] if v else 'none'}" for label, v in fitting.items())
+    return Outcome(PASS, f"estimates for {s.perf_batch} x {s.perf_seq} tokens on {gpu / 2**30:.0f} GiB: {figure}",
+                   {"largest_presets": fitting, "gpu_bytes": gpu, "host_bytes": host})
+
+
+def part2_rows() -> list[Row]:
+    fp8 = "FP8 matmuls need an NVIDIA GPU of compute capability 8.9+ (H100/H200)"
+    return [
+        perf_row("perf_baseline", "fp32 AdamW (benchmark.py's baseline: every ratio is against it)"),
+        perf_row("perf_bf16_compile", "bf16 + --torch_compile + fused AdamW (the speed combination)"),
+        perf_row("perf_bf16_compile_checkpointing", "the same + --gradient_checkpointing"),
+        perf_row("perf_fp8_compile", "FP8 (torchao, fp8.yaml) + --torch_compile + fused AdamW", cuda_only=fp8,
+                 needs=("torchao",)),
+        perf_row("perf_bf16_compile_8bit", "bf16 + --torch_compile + 8-bit AdamW", needs=("bitsandbytes",)),
+        perf_row("perf_plain_loop", "benchmarks/plain_loop.py with the bf16_compile flags: our tokens/s over its"),
+        Row("perf_mfu_goal", 2, f"MFU of bf16 + compile + fused AdamW >= {MFU_GOAL:.0%}", check_mfu_goal,
+            cuda_only="MFU needs a GPU of known peak FLOP/s"),
+        Row("perf_largest_presets", 2, "largest preset that fits per memory technique (estimate_memory.py)",
+            check_largest_presets, cuda_only="needs the GPU's memory size"),
+    ]

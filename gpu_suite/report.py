@@ -1,0 +1,56 @@
+"""The suite's output: the summary table printed last, and the results files (.md for people, .json for tools)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+
+from gpu_suite.suite import FAIL, PASS, SKIP, Suite
+
+
+def summary_table(results: list[dict], title: str, footer: str) -> list[str]:
+    lines = [title, "", "| row | status | figure |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['status']} | {r['figure'].replace('|', '/')} |" for r in results]
+    counts = {s: sum(r["status"] == s for r in results) for s in (PASS, FAIL, SKIP)}
+    lines.append(f"| total | {counts[PASS]} PASS, {counts[FAIL]} FAIL, {counts[SKIP]} SKIP | {footer} |")
+    return lines
+
+
+def write_results(suite: Suite, results: list[dict], env: dict, seconds: float) -> list[str]:
+    """<results_dir>/gpu-suite[-dry-run]-<date>-part<N>.{json,md}, and in `--copy_to` with a tarball of the
+    runs' logs."""
+    args = suite.args
+    stem = f"gpu-suite{'-dry-run' if args.dry_run else ''}-{env['date'][:10]}-part{args.part}"
+    benchmark_result = suite.memoized("benchmark") or {}
+    record = {"suite": "gpu_suite", "dry_run": args.dry_run, "part": args.part,
+              "device": "CPU (dry run: CUDA-only rows are SKIP)" if args.dry_run else env["machine"]["gpu"],
+              "seconds": round(seconds, 1), "settings": vars(suite.settings), "environment": env, "rows": results,
+              "performance": list(benchmark_result.get("rows", {}).values())}
+    title = (f"# GPU suite, part {args.part}" + (" — DRY RUN on a CPU (tiny preset, CUDA-only rows SKIP; not a GPU "
+                                                 "result)" if args.dry_run else f" — {env['machine']['gpu']}"))
+    m = env["machine"]
+    md = [title, "", f"- Date: {env['date']}; commit {env['git_commit']}; {seconds:.0f} s",
+          f"- Machine: {m['cpu']}, {m['cpu_cores']} cores, {m['memory_gib']} GiB RAM, "
+          + (f"GPU {m['gpu']} (CUDA {m['cuda']})" if m["gpu"] else "no GPU"),
+          "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+          f"- Command: `{env['command']}`", f"- Settings: {json.dumps(vars(suite.settings))}", ""]
+    md += summary_table(results, "## Summary", "")[2:]
+    md += ["", "## Rows", ""] + [f"- **{r['name']}** ({r['status']}, {r['seconds']} s): {r['what']}. {r['figure']}"
+                                 for r in results]
+    if benchmark_result.get("markdown"):
+        md += ["", "## Performance (benchmarks/benchmark.py)", "", benchmark_result["markdown"]]
+    paths = []
+    folders = [args.results_dir] + ([args.copy_to] if args.copy_to else [])
+    for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
+        os.makedirs(folder, exist_ok=True)
+        for ext, text in (("json", json.dumps(record, indent=2, default=str)), ("md", "\n".join(md) + "\n")):
+            paths.append(os.path.join(folder, f"{stem}.{ext}"))
+            with open(paths[-1], "w", encoding="utf-8") as f:
+                f.write(text)
+    if args.copy_to:
+        with tarfile.open(os.path.join(args.copy_to, f"{stem}-logs.tar.gz"), "w:gz") as tar:
+            for folder in ("logs", "benchmark/runs"):
+                if os.path.isdir(os.path.join(suite.work, folder)):
+                    tar.add(os.path.join(suite.work, folder), arcname=folder)
+    return paths
