@@ -18,6 +18,7 @@ import shutil
 
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, is_peft_model
 
 from common.errors import fail
 from common.guard import weights_are_finite
@@ -42,7 +43,7 @@ def resume(accelerator: Accelerator, path: str | None, progress: TrainingProgres
     """
     if path:
         check_run_record(path, run.fields)
-        accelerator.load_state(path)
+        accelerator.load_state(path, **frozen_base_left_out(accelerator, loading=True))
         # accelerate restores its micro-step counter, which sets the sync points of `accumulate`, from the checkpoint
         # (and only on ranks that wrote one): count it afresh in this run's accumulation steps, on every rank.
         accelerator.step = progress.step * accelerator.gradient_accumulation_steps
@@ -83,7 +84,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(partial)
+        accelerator.save_state(partial, **frozen_base_left_out(accelerator, loading=False))
     except Exception as exc:
         if not disk_refuses_writes(exc, partial):
             raise
@@ -98,6 +99,14 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     accelerator.wait_for_everyone()
     logger.info(f"Saved checkpoint {path}")
     return path
+
+
+def frozen_base_left_out(accelerator: Accelerator, loading: bool) -> dict:
+    """`save_state`/`load_state` arguments: DeepSpeed writes a LoRA run's frozen base into every checkpoint unless
+    told not to; the base comes from the pretrained model at every start (other engines: common/adapters.py)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not any(map(is_peft_model, accelerator._models)):
+        return {}
+    return {"load_module_strict": False} if loading else {"exclude_frozen_parameters": True}
 
 
 def publish(partial: str, path: str, marker: dict) -> None:

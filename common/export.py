@@ -1,12 +1,18 @@
 """The Hugging Face export: a `from_pretrained`-loadable folder (safetensors, config, generation config, tokenizer)
-from the prepared model, under every engine."""
+from the prepared model, under every engine; for a LoRA run the adapter in peft's format, and optionally the adapter
+merged into its base."""
 
 from __future__ import annotations
 
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
+import os
 
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, is_peft_model
+
+from common.adapters import adapter_state_dict, merge_adapter
 from common.guard import weights_are_finite
+
+MERGED_DIR = "merged"
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
@@ -21,6 +27,13 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
         return False
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if is_peft_model(unwrapped):  # adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained
+        state_dict = adapter_state_dict(accelerator, model)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(output_dir, state_dict=state_dict)
+            tokenizer.save_pretrained(output_dir)
+        accelerator.wait_for_everyone()
+        return True
     use_tokenizer_special_tokens(unwrapped, tokenizer)
     # Sharded models need the collective gather; elsewhere the unwrapped module's own state dict is complete
     # (`get_state_dict` would keep the compiled wrapper's `_orig_mod.` prefix).
@@ -33,6 +46,19 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return True
+
+
+def export_merged_model(accelerator: Accelerator, tokenizer, output_dir: str, model_class, base_path: str,
+                        **load_kwargs) -> None:
+    """--merge_adapter: the adapter exported in `output_dir` merged into a full-precision copy of the base (see
+    common/adapters.py), written to `output_dir/merged`, loadable with the model class alone. The main process does
+    it; the others wait."""
+    if accelerator.is_main_process:
+        merged = merge_adapter(model_class, base_path, output_dir, **load_kwargs)
+        use_tokenizer_special_tokens(merged, tokenizer)
+        merged.save_pretrained(os.path.join(output_dir, MERGED_DIR), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(output_dir, MERGED_DIR))
+    accelerator.wait_for_everyone()
 
 
 def keep_used_weight_conversions(model) -> None:

@@ -106,3 +106,28 @@ def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
                    help="Batches of similar lengths (less padding); evaluation sorted by length.")
     g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")
     g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
+
+
+# The LoRA settings a checkpoint was trained with: a resume must keep them (common/run_record.py).
+ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
+                 "bnb_4bit_quant_type", "use_bnb_nested_quant")
+
+
+def add_peft_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA / QLoRA with peft (TRL's flag names), for both fine-tuning scripts; see common/adapters.py."""
+    g = parser.add_argument_group("LoRA / QLoRA (peft)")
+    g.add_argument("--use_peft", action="store_true",
+                   help="Train a LoRA adapter on the frozen base model instead of all its weights.")
+    g.add_argument("--lora_r", type=int, default=16, help="LoRA rank.")
+    g.add_argument("--lora_alpha", type=int, default=32, help="LoRA scale numerator: the update is scaled by alpha/r.")
+    g.add_argument("--lora_dropout", type=float, default=0.05, help="Dropout on the adapter's input.")
+    g.add_argument("--lora_target_modules", nargs="+", default=["all-linear"],
+                   help="Names of the modules to adapt (a name matches a full module path or its end); all-linear: "
+                        "every linear layer but the output head.")
+    g.add_argument("--load_in_4bit", action="store_true",
+                   help="QLoRA: the frozen base quantized to 4 bits (bitsandbytes); needs --use_peft.")
+    g.add_argument("--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"), help="The 4-bit data type.")
+    g.add_argument("--use_bnb_nested_quant", action="store_true",
+                   help="Quantize the 4-bit blocks' scales too (double quantization: ~0.4 bit per weight less).")
+    g.add_argument("--merge_adapter", action="store_true",
+                   help="Also write output_dir/merged: the adapter merged into a full-precision copy of the base.")

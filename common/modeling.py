@@ -94,20 +94,24 @@ def check_block_size(config: PretrainedConfig, block_size: int) -> None:
         fail(f"--block_size {block_size} is larger than the model's max_position_embeddings ({max_positions})")
 
 
-def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_size: int) -> PreTrainedModel:
-    """Pretrained weights when --model_name_or_path is given, else a fresh model from `config`.
+def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_size: int,
+                    **load_kwargs) -> PreTrainedModel:
+    """Pretrained weights when --model_name_or_path is given, else a fresh model from `config`; fp32 unless
+    `load_kwargs` (`from_pretrained` arguments, see common/adapters.py) say otherwise.
 
     Weights are loaded here, before any torch.compile, so compiled and exported models hold the same keys.
     """
-    kwargs = {"attn_implementation": args.attn_implementation}
+    kwargs = {"attn_implementation": args.attn_implementation, "dtype": torch.float32, **load_kwargs}
     if args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32,
-                                                     **kwargs)
+        if getattr(args, "use_peft", False) and vocab_size > config.vocab_size:
+            fail(f"the tokenizer has {vocab_size} tokens, the model {config.vocab_size}: with --use_peft the new "
+                 "tokens' embeddings would stay untrained (the base is frozen); use the model's own tokenizer")
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, **kwargs)
         if vocab_size > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(vocab_size)
     else:
         config.vocab_size = vocab_size
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
@@ -126,8 +130,11 @@ def full_numel(parameter: torch.Tensor) -> int:
     """Elements of the whole parameter, also when this process holds only a part of it.
 
     Under ZeRO-3 (models built inside `deepspeed.zero.Init`) a parameter's tensor is an empty placeholder and its
-    full size is `ds_numel`; an FSDP2 DTensor's `numel()` is already the global size.
+    full size is `ds_numel`; an FSDP2 DTensor's `numel()` is already the global size. A bitsandbytes 4-bit weight
+    packs two values per byte of its storage type.
     """
+    if type(parameter).__name__ == "Params4bit":
+        return parameter.numel() * 2 * parameter.element_size()
     return getattr(parameter, "ds_numel", None) or parameter.numel()
 
 

@@ -14,6 +14,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
 from common.errors import fail, fail_on_every_rank
+from common.flags import ADAPTER_FLAGS
 from common.paths import RUN_RECORD, TOKENIZER_DIR
 
 logger = get_logger(__name__)
@@ -48,6 +49,7 @@ class RunRecord:
             "train_file": file_fingerprint(args.train_file),
             "validation_file": file_fingerprint(args.validation_file),
             **{name: getattr(args, name) for name in SHARED_DATA_FLAGS + data_flags if hasattr(args, name)},
+            **{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)},  # the LoRA settings
             "model": {key: getattr(config, key) for key in MODEL_SHAPE if getattr(config, key, None) is not None},
         }
         if args.validation_file:  # the split share only counts when validation is cut from train

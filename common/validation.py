@@ -121,3 +121,24 @@ def check_finetuning_flags(args: argparse.Namespace) -> None:
         fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
     if args.freeze_layers < 0:
         fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
+    check_peft_flags(args)
+
+
+def check_peft_flags(args: argparse.Namespace) -> None:
+    """The LoRA / QLoRA group (common/flags.py add_peft_args); --lora_target_modules is checked against the model
+    in common/adapters.py."""
+    if args.load_in_4bit and not args.use_peft:
+        fail("--load_in_4bit needs --use_peft: a 4-bit base cannot be trained, QLoRA trains a LoRA adapter on it")
+    if args.merge_adapter and not args.use_peft:
+        fail("--merge_adapter needs --use_peft: without it the run trains the whole model, there is no adapter to merge")
+    if not args.use_peft:
+        return
+    if args.lora_r < 1 or args.lora_alpha <= 0:
+        fail(f"--lora_r must be >= 1 and --lora_alpha > 0 (got {args.lora_r} and {args.lora_alpha})")
+    if not 0 <= args.lora_dropout < 1:
+        fail(f"--lora_dropout must be in [0, 1) (got {args.lora_dropout})")
+    if "all-linear" in args.lora_target_modules and len(args.lora_target_modules) > 1:
+        fail("--lora_target_modules all-linear already takes every linear layer: give it alone or list names")
+    for flag in ("freeze_embeddings", "freeze_layers"):
+        if getattr(args, flag):
+            fail(f"--{flag} does nothing with --use_peft: the whole base model is frozen, only the adapter trains")

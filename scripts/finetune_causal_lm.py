@@ -33,17 +33,19 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
-from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from common.accumulation import (backward_loss, check_loss_honours_num_items, count_label_tokens,
                                  router_aux_loss_coefficient)
+from common.adapters import add_adapter, base_model_kwargs, check_adapter_targets
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
 from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
 from common.errors import fail, fail_on_every_rank
 from common.evaluation import evaluate_causal_lm
-from common.export import export_model
-from common.flags import ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args
+from common.export import export_merged_model, export_model
+from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_peft_args,
+                          add_training_args)
 from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
@@ -65,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_finetuning_args(parser)
+    add_peft_args(parser)
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
     g = parser.add_argument_group("supervised fine-tuning")
     g.add_argument("--prompt_column", default="prompt", help="Column holding the prompt (no loss on it).")
@@ -86,6 +89,7 @@ def main() -> None:
     args = parse_args()
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
+    check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     accelerator = build_accelerator(args)
     status = train(args, config, accelerator, resume_from)
     finish(accelerator)
@@ -188,9 +192,10 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                                                          args.max_steps, args.num_train_epochs)
     run.add_data(tokenizer, steps_per_epoch)
 
-    # ---- model, freezing, optimizer, schedule (in optimizer steps) --------------------------------------------------
-    model = build_causal_lm(args, config, len(tokenizer))
+    # ---- model (with --use_peft: a frozen, maybe 4-bit, base and a LoRA adapter), freezing, optimizer, schedule -------
+    model = build_causal_lm(args, config, len(tokenizer), **base_model_kwargs(args, accelerator))
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    model = add_adapter(args, accelerator, model, "CAUSAL_LM")
     trainable, total_params = count_parameters(model)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
@@ -259,6 +264,8 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
     log.write_eval(progress.step, eval_metrics)
     if not export_model(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
+    if args.merge_adapter:
+        export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForCausalLM, args.model_name_or_path)
     if accelerator.is_main_process:
         write_all_results(args.output_dir, {
             **eval_metrics, "train_loss": log.last_row.get("loss"), "train_steps": progress.step,

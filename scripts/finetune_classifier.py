@@ -31,12 +31,14 @@ from datasets import ClassLabel
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
+from common.adapters import add_adapter, base_model_kwargs, check_adapter_targets
 from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
 from common.data import get_tokenizer, load_raw_datasets
 from common.errors import fail
-from common.export import export_model
-from common.flags import ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args
+from common.export import export_merged_model, export_model
+from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_peft_args,
+                          add_training_args)
 from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
 from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_finetuning_args(parser)
+    add_peft_args(parser)
     # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.01, adam_beta2=0.999, lr_scheduler_type="linear",
                         attn_implementation=None)
@@ -87,6 +90,7 @@ def main() -> None:
     args = parse_args()
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
+    check_adapter_targets(args, config, AutoModelForSequenceClassification, "SEQ_CLS")
     accelerator = build_accelerator(args)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
     if args.auto_find_batch_size:
@@ -181,14 +185,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
     run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model (new classification head), freezing, optimizer, schedule (in optimizer steps) -----------------------
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-        label2id={name: i for i, name in enumerate(label_names)}, problem_type="single_label_classification",
-        ignore_mismatched_sizes=True,  # a checkpoint with another head (other classes) gets a fresh one
-        dtype=torch.float32, attn_implementation=args.attn_implementation)
-    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    model, head = build_classifier(args, accelerator, label_names)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
 
@@ -255,6 +252,9 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
     if best.update(progress.step, last_metrics) or not args.load_best_model_at_end:
         if not export_model(accelerator, model, tokenizer, args.output_dir):
             return DIVERGED_STATUS
+    if args.merge_adapter:  # the exported adapter (the best one with --load_best_model_at_end) into its base
+        export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification,
+                            args.model_name_or_path, **head)
     exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else \
         (progress.step, last_metrics)
     if accelerator.is_main_process:
@@ -269,6 +269,21 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}. Model, "
                     f"tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
     return 0
+
+
+def build_classifier(args, accelerator, label_names: list[str]):
+    """The pretrained encoder with a new head for the labels, frozen as flagged (with --use_peft: a frozen, maybe
+    4-bit, base, a LoRA adapter and the trained head); and the head's `from_pretrained` arguments."""
+    head = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+                label2id={name: i for i, name in enumerate(label_names)}, problem_type="single_label_classification",
+                ignore_mismatched_sizes=True)  # a checkpoint with another head (other classes) gets a fresh one
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path, attn_implementation=args.attn_implementation, **head,
+        **base_model_kwargs(args, accelerator))
+    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return add_adapter(args, accelerator, model, "SEQ_CLS"), head
 
 
 class BestModel:

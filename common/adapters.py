@@ -1,0 +1,181 @@
+"""LoRA and QLoRA with peft (bitsandbytes for the 4-bit base): the model the fine-tuning scripts train with
+--use_peft, what their checkpoints and exports hold, and the merge. docs/lora.md says why each step is there.
+
+The training loop does not change: the prepared model is a `PeftModel` whose only trainable parameters are the adapter
+(and, for a classifier, its new head), so the optimizer, clipping and accumulation see only those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, is_peft_model
+from safetensors.torch import load_file
+from torch import nn
+
+from common.errors import fail
+from common.modeling import outside_zero3
+
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
+
+
+def lora_config(args: argparse.Namespace, task_type: str):
+    """The peft LoraConfig of the flags (`task_type` CAUSAL_LM or SEQ_CLS: peft then also trains a classifier's head)."""
+    from peft import LoraConfig
+
+    targets = ALL_LINEAR if args.lora_target_modules == [ALL_LINEAR] else list(args.lora_target_modules)
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=targets, task_type=task_type, bias="none")
+
+
+def check_adapter_targets(args: argparse.Namespace, config, model_class, task_type: str) -> None:
+    """Before any heavy work: every --lora_target_modules name matches a module peft can adapt, on a weightless
+    (meta-device) copy of the model. peft itself only refuses names when none of them matches."""
+    if not args.use_peft:
+        return
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    with init_empty_weights():
+        model = model_class.from_config(copy.deepcopy(config))
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    names = [name for name, _ in model.named_modules()]
+    lora = lora_config(args, task_type)
+    if lora.target_modules != ALL_LINEAR:
+        for target in lora.target_modules:
+            if not any(check_target_module_exists(lora_config_for(lora, target), name) for name in names):
+                fail(f"--lora_target_modules {target}: no module of {type(model).__name__} has that name; its linear "
+                     f"modules are: {', '.join(linear)}")
+    try:
+        get_peft_model(model, lora)
+    except (ValueError, TypeError) as e:
+        fail(f"--lora_target_modules {' '.join(args.lora_target_modules)}: peft cannot adapt the modules matched "
+             f"({str(e).splitlines()[0][:120]}); adapt linear ones: {', '.join(linear)}")
+
+
+def lora_config_for(lora, target: str):
+    single = copy.copy(lora)
+    single.target_modules = {target}
+    return single
+
+
+def base_model_kwargs(args: argparse.Namespace, accelerator: Accelerator) -> dict:
+    """`from_pretrained` arguments for the model to train.
+
+    Full fine-tuning: fp32 weights (mixed precision autocasts them). With --use_peft the base is frozen and needs no
+    fp32 master copy: it is loaded in the run's 16-bit precision (bf16 halves its memory; the adapter stays fp32),
+    and with --load_in_4bit quantized by bitsandbytes, one whole copy per process (`device_map` its own device;
+    "auto" would spread one copy over every GPU of the node, which DDP cannot train).
+    """
+    if not args.use_peft:
+        return {"dtype": torch.float32}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    if not args.load_in_4bit:
+        return {"dtype": dtype}
+    from transformers import BitsAndBytesConfig
+
+    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype,
+        # FSDP and ZeRO-3 shard tensors of one dtype: the packed 4-bit bytes are stored as the model's dtype there
+        bnb_4bit_quant_storage=dtype if sharded else torch.uint8)
+    return {"dtype": dtype, "quantization_config": quantization, "device_map": {"": str(accelerator.device)}}
+
+
+def add_adapter(args: argparse.Namespace, accelerator: Accelerator, model, task_type: str):
+    """Wrap the loaded base model (gradient checkpointing already set) with a fresh LoRA adapter: every base weight
+    frozen, the adapter's B matrices zero (so the model starts as the base). Without --use_peft: the model itself.
+
+    Called once per run, before `prepare`; a resumed run gets its trained adapter back from the checkpoint
+    (`accelerator.load_state`), never a second wrap. Registers the checkpoint hooks below.
+    """
+    if not args.use_peft:
+        return model
+    from peft import get_peft_model
+
+    if args.load_in_4bit:
+        keep_4bit_layout(model)
+    model = get_peft_model(model, lora_config(args, task_type))
+    if keep_only_trainable_weights not in accelerator._save_model_state_pre_hook.values():  # once per accelerator
+        accelerator.register_save_state_pre_hook(keep_only_trainable_weights)
+        accelerator.register_load_state_pre_hook(load_trainable_weights)
+    return model
+
+
+def keep_4bit_layout(model: nn.Module) -> None:
+    """bitsandbytes 0.50.2, on CPUs with AVX512-BF16, repacks a 4-bit layer's weight in place at its first no-grad
+    evaluation forward (its scales rounded to bf16) and re-quantizes it on `state_dict()`: measured here, the frozen
+    base then changes (logits moved by ~1e-3) and a merge into it gives garbage. Training keeps the layout it loaded.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def keep_only_trainable_weights(models: list, weights: list, output_dir: str) -> None:
+    """`save_state` hook (one process and DDP): a checkpoint holds the adapter (and a classifier's head), not the
+    frozen base, which every start loads from the pretrained model. DeepSpeed is told the same by
+    common/checkpoint.py; FSDP2 writes the whole sharded model (accelerate 1.15's save_state has no adapter-only path)."""
+    for i, model in enumerate(models[:len(weights)]):
+        if is_peft_model(model):
+            keep = trainable_names(model)
+            weights[i] = {k: v for k, v in weights[i].items() if k in keep}
+
+
+def load_trainable_weights(models: list, input_dir: str) -> None:
+    """`load_state` hook, the inverse of `keep_only_trainable_weights`: every trainable tensor must be in the file."""
+    for i, model in enumerate(list(models)):
+        if not is_peft_model(model):
+            continue
+        path = os.path.join(input_dir, "model.safetensors" if i == 0 else f"model_{i}.safetensors")
+        state = load_file(path, device="cpu")
+        missing = trainable_names(model) - state.keys()
+        unexpected = set(state) - {name for name, _ in model.named_parameters()}
+        if missing or unexpected:
+            fail(f"--resume_from_checkpoint {input_dir}: its adapter does not fit this model (missing "
+                 f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        model.load_state_dict(state, strict=False)
+        models.remove(model)
+
+
+def adapter_state_dict(accelerator: Accelerator, model) -> dict | None:
+    """The complete trained adapter weights, by the prepared model's parameter names, for `save_pretrained`
+    (collective under DeepSpeed and FSDP: every process calls it). None: the unwrapped model's own are complete.
+
+    ZeRO-3 keeps only a slice of each parameter on a process, FSDP2 a DTensor shard: saving the module as it is gave
+    users a 40-byte empty adapter (ZeRO-3) or one rank's slice (FSDP2). DeepSpeed's fp32 master copy is gathered
+    (the weights the optimizer steps, in any precision), FSDP2's full state dict without the frozen parameters.
+    """
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {name: safe_get_full_fp32_param(p).detach().cpu() for name, p in unwrapped.named_parameters()
+                if p.requires_grad}
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(unwrapped, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    return None
+
+
+def merge_adapter(model_class, base_path: str, adapter_dir: str, **load_kwargs):
+    """The adapter saved in `adapter_dir` merged into a fresh copy of the base in its own stored precision (bf16 for
+    most hub models, fp32 for the tests' tiny ones), on this process alone: never into the trained 4-bit base
+    (rounding the merged weights to 4 bits loses the adapter; on these CPUs it gave garbage)."""
+    from peft import PeftModel
+
+    with outside_zero3():
+        base = model_class.from_pretrained(base_path, dtype="auto", **load_kwargs)
+        return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
