@@ -14,13 +14,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are not decayed.
 
     Under DeepSpeed ZeRO-3 a parameter built partitioned is an empty 1-D tensor; `ds_shape` keeps its real shape.
+    An empty group is left out (a LoRA adapter has only matrices): DeepSpeed drops it, and the schedule built on the
+    groups would then count one group too many.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     is_matrix = {id(p): len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params}
-    return [
+    groups = [
         {"params": [p for p in params if is_matrix[id(p)]], "weight_decay": weight_decay},
         {"params": [p for p in params if not is_matrix[id(p)]], "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]
 
 
 def create_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
