@@ -104,10 +104,11 @@ def weights_are_finite(accelerator: Accelerator, models: list[torch.nn.Module], 
     """False on every rank (the reason printed once) when any weight of `models` is NaN or inf on any rank: then
     `what` must not be written and the run stops with DIVERGED_STATUS.
 
-    Collective (every rank checks its shards): call it on all ranks, before a checkpoint or an export.
+    Collective (every rank checks its shards): call it on all ranks, before a checkpoint or an export. Frozen
+    weights are not checked: training never changes them (and a 4-bit base's packed bytes are not numbers).
     """
     bad = [name for model in models for name, p in model.named_parameters()
-           if not torch.isfinite(_local_shard(p).detach()).all()]
+           if p.requires_grad and not torch.isfinite(_local_shard(p).detach()).all()]
     total = int(accelerator.reduce(torch.tensor(len(bad), device=accelerator.device), "sum").item())
     if total:
         example = f", e.g. {bad[0]}" if bad else ""
