@@ -64,7 +64,7 @@ def lora_config_for(lora, target: str):
     return single
 
 
-def base_model_kwargs(args: argparse.Namespace, accelerator: Accelerator) -> dict:
+def base_model_kwargs(args: argparse.Namespace, accelerator: Accelerator, task_type: str) -> dict:
     """`from_pretrained` arguments for the model to train.
 
     Full fine-tuning: fp32 weights (mixed precision autocasts them). With --use_peft the base is frozen and needs no
@@ -77,6 +77,7 @@ def base_model_kwargs(args: argparse.Namespace, accelerator: Accelerator) -> dic
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     if not args.load_in_4bit:
         return {"dtype": dtype}
+    from peft.utils.constants import SEQ_CLS_HEAD_NAMES  # the heads peft trains in full for SEQ_CLS
     from transformers import BitsAndBytesConfig
 
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
@@ -84,7 +85,11 @@ def base_model_kwargs(args: argparse.Namespace, accelerator: Accelerator) -> dic
         load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype,
         # FSDP and ZeRO-3 shard tensors of one dtype: the packed 4-bit bytes are stored as the model's dtype there
-        bnb_4bit_quant_storage=dtype if sharded else torch.uint8)
+        bnb_4bit_quant_storage=dtype if sharded else torch.uint8,
+        # a classifier's new head trains in full (transformers keeps only the LM head out of 4 bits by itself)
+        llm_int8_skip_modules=SEQ_CLS_HEAD_NAMES if task_type == "SEQ_CLS" else None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # transformers refuses a device_map under ZeRO-3
+        return {"dtype": dtype, "quantization_config": quantization}
     return {"dtype": dtype, "quantization_config": quantization, "device_map": {"": str(accelerator.device)}}
 
 

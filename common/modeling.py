@@ -133,9 +133,8 @@ def full_numel(parameter: torch.Tensor) -> int:
     full size is `ds_numel`; an FSDP2 DTensor's `numel()` is already the global size. A bitsandbytes 4-bit weight
     packs two values per byte of its storage type.
     """
-    if type(parameter).__name__ == "Params4bit":
-        return parameter.numel() * 2 * parameter.element_size()
-    return getattr(parameter, "ds_numel", None) or parameter.numel()
+    count = getattr(parameter, "ds_numel", None) or parameter.numel()
+    return count * 2 * parameter.element_size() if type(parameter).__name__ == "Params4bit" else count
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -279,7 +279,7 @@ def build_classifier(args, accelerator, label_names: list[str]):
                 ignore_mismatched_sizes=True)  # a checkpoint with another head (other classes) gets a fresh one
     model = AutoModelForSequenceClassification.from_pretrained(
         args.model_name_or_path, attn_implementation=args.attn_implementation, **head,
-        **base_model_kwargs(args, accelerator))
+        **base_model_kwargs(args, accelerator, "SEQ_CLS"))
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
