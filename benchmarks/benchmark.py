@@ -6,6 +6,8 @@
     python benchmarks/benchmark.py --methods baseline,bf16,plain_pytorch -- --train_file my.jsonl
     python benchmarks/benchmark.py --script scripts/finetune_classifier.py --methods baseline,bf16 \\
         -- --model_name_or_path my-bert --train_file train.jsonl --validation_file dev.jsonl
+    python benchmarks/benchmark.py --script scripts/finetune_causal_lm.py --methods baseline,lora,qlora \\
+        --seq_flag=--max_seq_length -- --model_name_or_path outputs/pretrain   # full fine-tuning vs LoRA vs QLoRA
 
 Each method runs in a fresh process for `--warm_steps` + `--timed_steps` optimizer steps with `--logging_steps 1`;
 the timed steps are read back from the run's metrics.jsonl (its `time` stamps, tokens/s, peak memory, MFU, loss).
@@ -129,6 +131,10 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
         "plain_pytorch": {"flags": [], "skip": None if pretraining else f"plain_loop.py mirrors {PRETRAIN} only"},
         # The corpus tokenized and packed on the fly while training (baseline: tokenized up front, cached).
         "streaming": {"flags": ["--streaming"], "skip": None if pretraining else f"--streaming is a {PRETRAIN} flag"},
+        # A LoRA adapter on the frozen base (in bf16 with --bf16), and on a 4-bit base: fine-tuning scripts only.
+        "lora": {"flags": ["--use_peft"], "skip": "--use_peft is a fine-tuning flag" if pretraining else None},
+        "qlora": {"flags": ["--use_peft", "--load_in_4bit"],
+                  "skip": "--use_peft is a fine-tuning flag" if pretraining else None},
     }
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
     import yaml

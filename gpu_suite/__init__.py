@@ -15,6 +15,7 @@ figure); results go to `<results_dir>/gpu-suite-<date>-part<N>.md/.json` (docs/r
 machine reached through a file-carrying command.
 
 Modules: suite (the runs and their settings), data (the runs' local data), checks (what every row checks),
-correctness (part 1's rows), performance (part 2's rows), schedule (which rows run, in what order), report (the
-table and the results files), runner (how a run is started), cli (the flags and main).
+correctness (part 1's rows), performance (part 2's rows), adapters (part 2's LoRA and QLoRA rows on an 8B-shaped
+model), schedule (which rows run, in what order), report (the table and the results files), runner (how a run is
+started), cli (the flags and main).
 """

@@ -14,6 +14,7 @@ import gpu_suite
 from benchmarks import benchmark
 from common.errors import fail
 from common.flags import ArgumentParser
+from gpu_suite.adapters import adapter_rows
 from gpu_suite.correctness import part1_rows
 from gpu_suite.performance import part2_rows
 from gpu_suite.report import summary_table, write_results
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     began = time.monotonic()
     args = parse_args()
-    rows = [r for r in part1_rows() + part2_rows() if args.part in (None, "all", str(r.part))]
+    rows = [r for r in part1_rows() + part2_rows() + adapter_rows() if args.part in (None, "all", str(r.part))]
     if args.list:
         for row in rows:
             print(f"part {row.part}  {row.name:32s} {'(CUDA only) ' if row.cuda_only else ''}{row.what}")

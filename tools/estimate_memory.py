@@ -4,6 +4,8 @@
     python tools/estimate_memory.py --model_preset 1b --num_gpus 1 --gpu_memory_gb 80
     python tools/estimate_memory.py --params 70e9 --num_gpus 16 --gpus_per_node 8 --gpu_memory_gb 80
     python tools/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
+    python tools/estimate_memory.py --model_preset 8b --vocab_size 128256 --gpu_memory_gb 24 --micro_batch_size 2 \
+        --use_peft      # + a table: full fine-tuning vs LoRA vs QLoRA on one GPU
 
 Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed precision, AdamW):
 - Plain PyTorch with autocast (single_gpu.yaml, multi_gpu.yaml): fp32 weights 4 + fp32 gradients 4 + Adam m and v 8
@@ -24,6 +26,12 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient).
 - Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
   (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
+- LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base in bf16 (2) or,
+  with --load_in_4bit, its linear layers' weights in 4 bits (0.5, + a 4-byte scale per 64 weights, or with nested
+  quantization a 1-byte scale per 64 and a 4-byte one per 64 x 256) and the rest (embeddings, head, norms) in bf16;
+  plus the adapter (rank r on every linear layer but the head: r x (inputs + outputs) parameters each) with fp32
+  weights, gradients and AdamW m and v: 16 per adapter parameter; plus, for QLoRA, one linear layer dequantized to bf16
+  at a time. Activations as above: the backward pass still runs through the frozen layers.
 A config "fits" when its per-GPU total stays under 90% of the GPU's memory (the rest: CUDA context, allocator
 fragmentation, communication buffers), and its host total under 90% of --host_memory_gb when that is given. The
 pick is the first fitting row (rows run fastest first), preferring activation checkpointing (~20-30% slower) to
@@ -57,6 +65,9 @@ class ModelShape:
     hidden: int | None = None
     heads: int | None = None
     vocab: int | None = None
+    linear: int | None = None  # weights of the linear layers LoRA adapts (all but the output head): 4-bit in QLoRA
+    largest_linear: int | None = None
+    lora_per_rank: int | None = None  # adapter parameters per unit of rank: the sum of inputs + outputs
 
 
 @dataclass
@@ -86,9 +97,12 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         model = AutoModelForCausalLM.from_config(config)
     units = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model.base_model, "layers", [])]
     units += [model.get_input_embeddings().weight.numel(), model.get_output_embeddings().weight.numel()]
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
     return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_unit=max(units),
                       layers=config.num_hidden_layers, hidden=config.hidden_size,
-                      heads=config.num_attention_heads, vocab=config.vocab_size)
+                      heads=config.num_attention_heads, vocab=config.vocab_size,
+                      linear=sum(m.weight.numel() for m in linear), largest_linear=max(m.weight.numel() for m in linear),
+                      lora_per_rank=sum(m.in_features + m.out_features for m in linear))
 
 
 def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True) -> float:
@@ -123,6 +137,45 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
     ]
     return [Option(config, flags, what, per_param * psi + gathered, host, per_param)
             for config, flags, what, per_param, gathered, host in table]
+
+
+# Published, not measured here: torchtune's Llama-3.1-8B recipes on one 24 GB RTX 4090, batch 2 x 2,048 packed
+# tokens, activation checkpointing (its chunked cross-entropy keeps the logits small).
+PUBLISHED_8B = {"QLoRA": "7.4 GiB at 2,413 tokens/s", "LoRA": "16.2 GiB at 3,083 tokens/s"}
+
+
+def adapter_options(shape: ModelShape, r: int, nested: bool) -> list[tuple[str, str, float, float]]:
+    """(method, flags, frozen base bytes, trained bytes) for full fine-tuning, LoRA and QLoRA on one GPU."""
+    adapter = 16 * r * shape.lora_per_rank  # fp32 weights, gradients, AdamW m and v
+    scales = 1 / 64 + 4 / (64 * 256) if nested else 4 / 64
+    rest = shape.params - shape.linear
+    qlora_base = shape.linear * (0.5 + scales) + 2 * rest + 2 * 2 * shape.largest_linear  # + one dequantized layer
+    return [("full fine-tuning", "", 0, 18 * shape.params),
+            ("LoRA", "--use_peft --bf16", 2 * shape.params, adapter),
+            ("QLoRA", "--use_peft --load_in_4bit --bf16" + (" --use_bnb_nested_quant" if nested else ""),
+             qlora_base, adapter)]
+
+
+def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
+    """The --use_peft table: full fine-tuning vs LoRA vs QLoRA, per GPU holding the whole model (one GPU, DDP)."""
+    acts = [activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, args.attn_implementation != "eager")
+            for ckpt in (False, True)]
+    lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({args.lora_r * shape.lora_per_rank / 1e6:.1f}M"
+             " adapter parameters), per GPU holding the whole model (one GPU, DDP):", "",
+             "| method | flags | frozen base | trained weights, gradients, AdamW | activations (plain / checkpointed) "
+             "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
+    for method, flags, base, trained in adapter_options(shape, args.lora_r, args.use_bnb_nested_quant):
+        totals = [base + trained + a for a in acts]
+        verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
+            totals[1], args.gpu_memory_gb * GB) else "no"
+        lines.append(f"| {method} | {'`' + flags + '`' if flags else ''} | {base / GB:.1f} GB | {trained / GB:.2f} GB "
+                     f"| {acts[0] / GB:.1f} / {acts[1] / GB:.1f} GB | {totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB "
+                     f"({totals[1] / 2**30:.1f} GiB checkpointed) | {verdict} |")
+    lines += ["", "Published for comparison, not measured here (torchtune, Llama-3.1-8B, one 24 GB RTX 4090, batch 2 x "
+              "2,048 packed tokens, activation checkpointing, chunked cross-entropy): "
+              + "; ".join(f"{k} {v}" for k, v in PUBLISHED_8B.items()) + ". This estimate counts the full logits "
+              "(10 bytes per token per vocabulary entry), as the scripts compute them."]
+    return lines
 
 
 def fits(total: float | None, limit: float) -> bool:
@@ -172,6 +225,8 @@ def report(args: argparse.Namespace) -> str:
         lines.append(f"Fastest that fits: `accelerate launch --config_file accelerate_configs/{best.config} "
                      f"scripts/pretrain_llama.py{' ' + flags if flags else ''}`"
                      + ("." if acts else " (model states only: activations come on top)."))
+    if args.use_peft:
+        lines += adapter_report(args, shape)
     return "\n".join(lines)
 
 
@@ -189,9 +244,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=2048, help="Tokens per sequence (--block_size).")
     parser.add_argument("--micro_batch_size", type=int, default=1, help="--per_device_train_batch_size.")
     parser.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    peft = parser.add_argument_group("LoRA / QLoRA (adds a table: full fine-tuning vs LoRA vs QLoRA)")
+    peft.add_argument("--use_peft", action="store_true", help="Also estimate LoRA and QLoRA fine-tuning.")
+    peft.add_argument("--use_bnb_nested_quant", action="store_true", help="QLoRA's scales quantized too.")
+    peft.add_argument("--lora_r", type=int, default=16, help="LoRA rank.")
     args = parser.parse_args(argv)
     if not (args.params or args.model_preset or args.config_name):
         fail("give --params, --model_preset or --config_name")
+    if args.use_peft and args.params:
+        fail("--use_peft needs the model's layers: give --model_preset or --config_name instead of --params")
+    if args.lora_r < 1:
+        fail(f"--lora_r must be >= 1 (got {args.lora_r})")
     for name in ("num_gpus", "seq_len", "micro_batch_size"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
