@@ -165,8 +165,12 @@ def adapter_state_dict(accelerator: Accelerator, model) -> dict | None:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return {name: safe_get_full_fp32_param(p).detach().cpu() for name, p in unwrapped.named_parameters()
-                if p.requires_grad}
+        state = {}
+        for name, p in unwrapped.named_parameters():
+            if p.requires_grad:  # in the same order on every process: the gathers are collective
+                full = safe_get_full_fp32_param(p)  # None without a ZeRO optimizer: the module's tensor is whole
+                state[name] = (p if full is None else full).detach().cpu()
+        return state
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
