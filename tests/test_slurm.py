@@ -53,9 +53,9 @@ from test_preemption import (  # noqa: F401 (cache and uninterrupted are fixture
 )
 
 COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
-pytestmark = pytest.mark.skipif(
-    not all(shutil.which(c) for c in COMMANDS) or os.geteuid() != 0,
-    reason="needs root and Slurm: apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge")
+if not all(shutil.which(c) for c in COMMANDS) or os.geteuid() != 0:
+    pytest.skip("needs root and Slurm: apt-get install -y --no-install-recommends slurmctld slurmd slurm-client "
+                "munge", allow_module_level=True)
 SBATCH = os.path.join(ROOT, "accelerate_configs", "slurm_multi_node.sbatch")
 NODES = ("127.0.0.1", "127.0.0.2")
 GRACE_TIME = 60  # the low partition's: a preempted job's time to save before Slurm's SIGTERM/SIGKILL sequence
