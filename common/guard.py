@@ -65,7 +65,7 @@ class NonFiniteGuard:
         Collective: every rank calls it once per optimizer step, before `optimizer.step()`.
         """
         loss_tensor = self.accelerator.reduce(window_loss.detach().float(), "sum")
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, which `tolist` refuses; its value (collective)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, replicated on every rank
             grad_norm = grad_norm.full_tensor()
         if isinstance(grad_norm, torch.Tensor):  # one read to the host for both figures
             loss, norm = torch.stack([loss_tensor, grad_norm.detach().float().to(loss_tensor.device)]).tolist()

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -150,11 +151,15 @@ def use_all_cores() -> None:
     `accelerate launch` without `--cpu` starts each process with OMP_NUM_THREADS=1, which halves the speed of a
     one-process run on a 2-core machine. A value other than 1 is taken as the user's choice and kept.
     """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        # accelerate takes the count from the config file, never from the machine (a GPU config says 8)
+        warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: pass --num_processes "
+                      f"{cores} (or fewer) after --config_file to `accelerate launch`")
     if os.environ.get("OMP_NUM_THREADS", "1") != "1":
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(max(1, cores // local_processes))
 
 
 def finish(accelerator: Accelerator) -> None:

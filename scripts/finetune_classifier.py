@@ -181,14 +181,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
     run.add_data(tokenizer, steps_per_epoch)
 
     # ---- model (new classification head), freezing, optimizer, schedule (in optimizer steps) -----------------------
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-        label2id={name: i for i, name in enumerate(label_names)}, problem_type="single_label_classification",
-        ignore_mismatched_sizes=True,  # a checkpoint with another head (other classes) gets a fresh one
-        dtype=torch.float32, attn_implementation=args.attn_implementation)
-    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    model = build_classifier(args, label_names)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
 
@@ -269,6 +262,20 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}. Model, "
                     f"tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
     return 0
+
+
+def build_classifier(args, label_names: list[str]) -> AutoModelForSequenceClassification:
+    """The pretrained encoder with a new head for `label_names` (named in its config), frozen and checkpointed as
+    flagged."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)}, problem_type="single_label_classification",
+        ignore_mismatched_sizes=True,  # a checkpoint with another head (other classes) gets a fresh one
+        dtype=torch.float32, attn_implementation=args.attn_implementation)
+    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
 
 
 class BestModel:

@@ -1,7 +1,7 @@
 """The shipped launch configs give the same training as one process: DDP and DeepSpeed ZeRO-1/2/3 (+ CPU offload).
 
-Every run starts from the same saved tiny model (ZeRO-3 builds models partitioned, with its own random init, so a
-shared starting point is what makes runs comparable) and trains 4 optimizer steps on a global batch of 8 sequences:
+Every run starts from the same saved tiny model (from-scratch parity, ZeRO-3 included, is tests/test_init_parity.py)
+and trains 4 optimizer steps on a global batch of 8 sequences:
 1 process x 4 sequences x 2 accumulation steps, or 2 processes x 2 x 2. All in fp32 (`--mixed_precision no`):
 DeepSpeed's bf16 keeps bf16 weights with fp32 master copies, which autocast does not, so bf16 runs differ by bf16
 rounding (~1e-2) and would hide real bugs. In fp32 the only difference is summation order: losses agree to
