@@ -5,6 +5,10 @@ Crash safety: a checkpoint is written under a temporary name (`checkpoints/.tmp-
 process has finished writing, and published by renaming the folder, so a kill at any moment leaves either a complete
 `checkpoints/step_N` or a `.tmp-` leftover that no resume ever picks and the next start removes. A full disk stops
 the run with one line, the previous checkpoints untouched.
+
+Verification: the marker records every file's size and checksum (common/integrity.py). A resume checks them first:
+`auto` skips a damaged checkpoint (one line says which file) for the newest one that verifies; `latest` and an
+explicit path stop with one line naming the file.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -20,8 +25,10 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, is_peft_model
 
-from common.errors import fail
+from common.errors import fail, fail_on_every_rank
 from common.guard import weights_are_finite
+from common.integrity import record_files, verify
+from common.optim import keep_this_runs_hyperparameters
 from common.paths import CHECKPOINT_DIR, COMPLETE_MARKER, LEFTOVER_PREFIX, METRICS_FILE, RUN_RECORD
 from common.run_record import RunRecord, check_run_record
 from common.steps import TrainingProgress
@@ -32,18 +39,21 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 def is_checkpoint(path: str) -> bool:
     """A folder written by `save_checkpoint` (or by accelerate's `save_state`, which leaves per-process RNG files)."""
-    return os.path.isfile(os.path.join(path, RUN_RECORD)) or bool(glob.glob(os.path.join(path, "random_states_*.pkl")))
+    return any(os.path.isfile(os.path.join(path, name)) for name in (COMPLETE_MARKER, RUN_RECORD)) or \
+        bool(glob.glob(os.path.join(path, "random_states_*.pkl")))
 
 
 def resume(accelerator: Accelerator, path: str | None, progress: TrainingProgress, run: RunRecord) -> None:
     """Restore model, optimizer, scheduler, RNG and `progress` from a checkpoint folder (nothing when `path` is None).
 
     `path` comes from `find_checkpoint_to_resume`. The run must agree with the checkpoint's record (one line
-    otherwise).
+    otherwise). The weights, the optimizer's moments, the schedule's step and the RNG come from the checkpoint; the
+    learning rate, schedule and optimizer settings from this run's flags (common/optim.py).
     """
     if path:
         check_run_record(path, run.fields)
-        accelerator.load_state(path, **frozen_base_left_out(accelerator, loading=True))
+        with keep_this_runs_hyperparameters(accelerator):
+            accelerator.load_state(path, **frozen_base_left_out(accelerator, loading=True))
         # accelerate restores its micro-step counter, which sets the sync points of `accumulate`, from the checkpoint
         # (and only on ranks that wrote one): count it afresh in this run's accumulation steps, on every rank.
         accelerator.step = progress.step * accelerator.gradient_accumulation_steps
@@ -93,7 +103,11 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     accelerator.wait_for_everyone()  # every rank has written its part
     if accelerator.is_main_process:
         run.write(partial)
-        publish(partial, path, {"step": step, "metrics_rows": count_rows(os.path.join(output_dir, METRICS_FILE))})
+    accelerator.wait_for_everyone()
+    files = record_files(accelerator, partial)  # every rank checksums a share of the files
+    if accelerator.is_main_process:
+        publish(partial, path, {"step": step, "metrics_rows": count_rows(os.path.join(output_dir, METRICS_FILE)),
+                                "files": files})
         for old in complete_checkpoints(output_dir)[:-save_total_limit] if save_total_limit else []:
             discard(old)
     accelerator.wait_for_everyone()
@@ -145,25 +159,61 @@ def remove_leftovers(output_dir: str) -> None:
                 shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)
 
 
-def find_checkpoint_to_resume(output_dir: str, value: str | None) -> str | None:
-    """The checkpoint folder `--resume_from_checkpoint value` names, or None to start fresh; one line if there is none.
+def find_checkpoint_to_resume(output_dir: str, value: str | None, accelerator: Accelerator | None = None
+                              ) -> str | None:
+    """The checkpoint folder `--resume_from_checkpoint value` names, or None to start fresh; one line if there is none
+    or if it is damaged.
 
-    `latest`: the newest complete checkpoint under output_dir (an error if there is none); `auto`: the same, else None
-    (a requeued job runs the same command line whether or not a checkpoint exists); a path: itself, if it holds a
-    checkpoint.
+    `latest`: the newest complete checkpoint under output_dir (an error if there is none); `auto`: the newest complete
+    one that verifies, else None (a requeued job runs the same command line whether or not a checkpoint exists); a
+    path: itself, if it holds a checkpoint. Every file is checked against the sizes and checksums its marker records
+    (common/integrity.py): `auto` skips a damaged checkpoint with one line naming the file, `latest` and a path stop
+    with one line. Collective when `accelerator` is given (each process checks a share of the files).
     """
+    stop = (lambda message: fail_on_every_rank(accelerator, message)) if accelerator else fail
     if value in ("latest", "auto"):
-        found = complete_checkpoints(output_dir)
-        if found:
-            return found[-1]
-        if value == "latest":
-            fail(f"--resume_from_checkpoint latest: no checkpoint under {os.path.join(output_dir, CHECKPOINT_DIR)} "
+        root = os.path.join(output_dir, CHECKPOINT_DIR)
+        found = complete_checkpoints(output_dir)[::-1]
+        if not found and value == "latest":
+            fail(f"--resume_from_checkpoint latest: no checkpoint under {root} "
                  "(--resume_from_checkpoint auto starts fresh when there is none)")
+        damaged = []
+        for path in found:
+            problem = checked(path, accelerator)
+            if problem is None:
+                return path
+            if value == "latest":
+                stop(f"--resume_from_checkpoint latest: {path} is damaged: {problem}; --resume_from_checkpoint auto "
+                     "resumes the newest checkpoint that verifies")
+            warn(accelerator, f"Skipping checkpoint {path}: {problem}; trying the one before it")
+            damaged.append(f"{os.path.basename(path)}: {problem}")
+        if damaged:
+            stop(f"--resume_from_checkpoint auto: no checkpoint under {root} verifies ({'; '.join(damaged)}); remove "
+                 "them to start fresh, or start over with --overwrite_output_dir instead of --resume_from_checkpoint")
         return None
     if value and not is_checkpoint(value):
         fail(f"--resume_from_checkpoint {value}: not a checkpoint (it holds no {RUN_RECORD}); pass an "
              "<output_dir>/checkpoints/step_N folder or `latest`")
+    if value and (problem := checked(value, accelerator)):
+        stop(f"--resume_from_checkpoint {value} is damaged: {problem}; resume another checkpoint "
+             "(--resume_from_checkpoint auto takes the newest one that verifies)")
     return value or None
+
+
+def checked(path: str, accelerator: Accelerator | None) -> str | None:
+    """The first problem of a checkpoint's files, or None; a checkpoint with nothing to check against (saved before
+    markers recorded files, or without a marker) passes with a warning line."""
+    verified, problem = verify(path, accelerator)
+    if not verified and problem is None:
+        warn(accelerator, f"{path} records no file sizes or checksums (saved by an older version, or not marked "
+                          "complete): resuming it unverified")
+    return problem
+
+
+def warn(accelerator: Accelerator | None, line: str) -> None:
+    """One warning line, from the main process."""
+    if accelerator is None or accelerator.is_main_process:
+        logging.getLogger(__name__).warning(line)
 
 
 def disk_refuses_writes(exc: BaseException, folder: str) -> bool:

@@ -65,9 +65,9 @@ class NonFiniteGuard:
         Collective: every rank calls it once per optimizer step, before `optimizer.step()`.
         """
         loss_tensor = self.accelerator.reduce(window_loss.detach().float(), "sum")
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, replicated on every rank
+            grad_norm = grad_norm.full_tensor()
         if isinstance(grad_norm, torch.Tensor):  # one read to the host for both figures
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2's norm is a replicated DTensor: .tolist() refuses it
-                grad_norm = grad_norm.full_tensor()
             loss, norm = torch.stack([loss_tensor, grad_norm.detach().float().to(loss_tensor.device)]).tolist()
         else:
             loss, norm = loss_tensor.item(), None if grad_norm is None else float(grad_norm)

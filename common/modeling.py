@@ -9,10 +9,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from accelerate.logging import get_logger
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
 from common.errors import fail
+
+logger = get_logger(__name__)
 
 # Llama shapes. vocab_size is replaced by the tokenizer's size when a model is built from scratch.
 LLAMA_PRESETS = {
@@ -111,9 +114,57 @@ def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_si
             model.resize_token_embeddings(vocab_size)
     else:
         config.vocab_size = vocab_size
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model = build_from_config(config, **kwargs)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    return model
+
+
+def build_from_config(config: PretrainedConfig, **kwargs) -> PreTrainedModel:
+    """A fresh model whose initial weights are those one process draws from the seed, under every engine.
+
+    Under ZeRO-3, transformers builds the model partitioned inside `deepspeed.zero.Init` and rank 0 draws each module's
+    weights, gathered, without the construction-time init a full build runs first: other random numbers (the same at
+    any ZeRO-3 process count, not the model of 1 process, DDP, ZeRO-1/2 or FSDP2). So rank 0 also builds the model in
+    full, as one process does, and broadcasts each parameter into the partitions (`GatheredParameters` with
+    `modifier_rank=0`); the copy is freed at once, and every rank's generator continues from where one process's
+    would. That copy takes 4 bytes per parameter on rank 0 (fp32, in CPU memory, as one process needs): a model over
+    half of rank 0's free memory keeps the partitioned init, and one line says so.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    import deepspeed
+    import psutil
+    from accelerate import PartialState
+    from accelerate.utils import RNGType, broadcast_object_list, synchronize_rng_state
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # its draws are replaced below: they must not move the generators
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    is_rank0 = PartialState().is_main_process  # global rank 0: the `modifier_rank` below
+    element_size = torch.empty(0, dtype=kwargs.get("dtype", torch.float32)).element_size()  # the full build's
+    full_bytes = element_size * sum(full_numel(p) for p in model.parameters())  # (partitions may be bf16)
+    free_bytes = psutil.virtual_memory().available if is_rank0 else 0
+    [free_bytes] = broadcast_object_list([free_bytes])  # rank 0's answer, the same decision on every rank
+    if full_bytes > free_bytes // 2:  # logged by the main process only
+        logger.warning(f"ZeRO-3: the model ({full_bytes / 2**30:.2f} GiB) is over half of rank 0's free memory "
+                       f"({free_bytes / 2**30:.2f} GiB), so it is initialised partitioned: the same at any ZeRO-3 "
+                       "process count but not the model other engines draw from this seed; to start every engine "
+                       "from the same weights, save them once and pass --model_name_or_path")
+        return model
+    full = None
+    if is_rank0:
+        with outside_zero3():
+            full = AutoModelForCausalLM.from_config(config, **kwargs)
+    weights = dict(full.named_parameters()) if is_rank0 else {}
+    for name, parameter in model.named_parameters():
+        with deepspeed.zero.GatheredParameters(parameter, modifier_rank=0), torch.no_grad():
+            if is_rank0:
+                parameter.copy_(weights[name])
+    del full, weights
+    synchronize_rng_state(RNGType.TORCH)  # rank 0's generator, past the full build, on every rank
     return model
 
 

@@ -15,13 +15,17 @@ from accelerate.utils import DistributedType
 
 from common.errors import fail, fail_on_every_rank
 from common.flags import ADAPTER_FLAGS
-from common.paths import RUN_RECORD, TOKENIZER_DIR
+from common.paths import COMPLETE_MARKER, RUN_RECORD, TOKENIZER_DIR
 
 logger = get_logger(__name__)
 # The flags of common/flags.py that decide which examples a run sees, cut how and in which order; each script adds
 # its own (`data_flags`).
 SHARED_DATA_FLAGS = ("dataset_name", "dataset_config_name", "text_column", "max_train_samples",
                      "validation_split_percentage", "max_seq_length", "group_by_length")
+# The flags a resume takes from this run although the checkpoint's state held them too (common/optim.py puts them back
+# after the restore): recorded to say, in one line, which ones a resume changes.
+HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
+                   "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")
 MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
 
@@ -34,6 +38,9 @@ class RunRecord:
     Every checkpoint gets these fields (`run.json`) and the tokenizer; a run that resumes one must agree, or it stops
     with one line naming the difference. The process count, per-device batch and accumulation may change if the
     global batch stays: each optimizer step then covers the same examples (the shuffle does not depend on them).
+    The optimizer (--optim) must stay too: its state only fits the optimizer that wrote it. The learning rate,
+    schedule and optimizer settings (HYPERPARAMETERS) may change: the resume applies them from the checkpoint's step
+    on, and says so in one line.
     Created before any heavy work, it checks the flags (and a ZeRO checkpoint's process count) of a resume right away.
     """
 
@@ -51,13 +58,17 @@ class RunRecord:
             **{name: getattr(args, name) for name in SHARED_DATA_FLAGS + data_flags if hasattr(args, name)},
             **{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)},  # the LoRA settings
             "model": {key: getattr(config, key) for key in MODEL_SHAPE if getattr(config, key, None) is not None},
+            "optim": args.optim,
         }
+        self.hyperparameters = {name: getattr(args, name) for name in HYPERPARAMETERS}
         if args.validation_file:  # the split share only counts when validation is cut from train
             self.fields.pop("validation_split_percentage", None)
         self.tokenizer = None
         if resume_from:
             check_resume_process_count(accelerator, resume_from)
             check_run_record(resume_from, self.fields)
+            check_run_length(resume_from, args.max_steps)
+            report_new_hyperparameters(resume_from, self.hyperparameters)
 
     def add_data(self, tokenizer, steps_per_epoch: int | None) -> None:
         """What is known once the data is loaded: the tokenizer (saved with each checkpoint) and the epoch length."""
@@ -67,7 +78,7 @@ class RunRecord:
     def write(self, path: str) -> None:
         """Into a checkpoint folder (main process): run.json and the tokenizer."""
         with open(os.path.join(path, RUN_RECORD), "w", encoding="utf-8") as f:
-            json.dump(self.fields, f, indent=1)
+            json.dump({**self.fields, "hyperparameters": self.hyperparameters}, f, indent=1)
         self.tokenizer.save_pretrained(os.path.join(path, TOKENIZER_DIR))
 
 
@@ -113,6 +124,37 @@ def check_run_record(path: str, fields: dict) -> None:
             fail(f"--resume_from_checkpoint {path}: {_difference(key, saved[key], value, path)}")
 
 
+def saved_record(path: str) -> dict:
+    """A checkpoint's run.json ({} if it has none or it does not parse: check_run_record has said so)."""
+    try:
+        with open(os.path.join(path, RUN_RECORD), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def check_run_length(path: str, max_steps: int) -> None:
+    """A checkpoint beyond this run's --max_steps would end the run at once with more steps than asked: one line."""
+    try:
+        with open(os.path.join(path, COMPLETE_MARKER), encoding="utf-8") as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(step, int) and 0 < max_steps < step:
+        fail(f"--resume_from_checkpoint {path}: the checkpoint is at optimizer step {step}, beyond this run's "
+             f"--max_steps {max_steps}: resume with --max_steps {step} or more")
+
+
+def report_new_hyperparameters(path: str, current: dict) -> None:
+    """One line naming the hyperparameters this resume changes (they apply from the checkpoint's step on)."""
+    saved = saved_record(path).get("hyperparameters", {})
+    changed = [f"--{name} {current[name]} (was {saved[name]})" for name in current
+               if name in saved and saved[name] != current[name]]
+    if changed:
+        logger.warning(f"Resuming {path} with new hyperparameters: {', '.join(changed)}; the learning-rate schedule "
+                       "is this run's from the checkpoint's step on, the optimizer's moments are the checkpoint's")
+
+
 def _differs(key: str, saved, current, grouped: bool) -> bool:
     if key == "global_batch":  # length-grouped batches are cut from the order by per-device batch size
         fields = ("sequences", "per_device") if grouped else ("sequences",)
@@ -149,6 +191,9 @@ def _difference(key: str, saved, current, path: str) -> str:
         return f"the checkpoint holds another model ({', '.join(diffs)}, checkpoint vs this run)"
     if key == "script":
         return f"the checkpoint was written by {saved}, not by {current}"
+    if key == "optim":
+        return (f"the checkpoint was trained with --optim {saved}, this run has --optim {current}; its optimizer state "
+                f"only fits {saved}: resume with --optim {saved}")
     return f"the checkpoint was trained with --{key} {saved}, this run has --{key} {current}"
 
 

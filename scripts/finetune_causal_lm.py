@@ -87,10 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     accelerator = build_accelerator(args)
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator)
     status = train(args, config, accelerator, resume_from)
     finish(accelerator)
     sys.exit(status)

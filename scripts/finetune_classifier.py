@@ -88,10 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     check_adapter_targets(args, config, AutoModelForSequenceClassification, "SEQ_CLS")
     accelerator = build_accelerator(args)
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
     if args.auto_find_batch_size:
         status = train_with_largest_batch(args, config, accelerator, progress, resume_from)

@@ -80,10 +80,11 @@ def data_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 def main() -> None:
     args = parse_args()
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint)  # None: a fresh start
     config = load_config(args)  # cheap: checked against the flags before any heavy work
     check_block_size(config, args.block_size)
     accelerator = build_accelerator(args)
+    # None: a fresh start. Every file of the checkpoint is checked against its recorded size and checksum first.
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator)
     status = train(args, config, accelerator, resume_from)
     finish(accelerator)  # after train() has returned: its model is gone
     sys.exit(status)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -67,3 +68,51 @@ def corpus(tmp_path_factory) -> dict[str, str]:
         with open(paths[split], "w") as f:
             f.writelines(json.dumps({"text": r}) + "\n" for r in part)
     return paths
+
+
+# ---- damaged checkpoints -------------------------------------------------------------------------------------------
+DAMAGES = ("truncated", "missing", "flipped")
+
+
+def damage(checkpoint, name: str, kind: str) -> str:
+    """Damage one file of a checkpoint folder as disks and copies do: cut to half its size, deleted, or one byte in
+    its middle flipped (same size). Returns what verification must say about it."""
+    path = os.path.join(checkpoint, name)
+    size = os.path.getsize(path)
+    if kind == "truncated":
+        os.truncate(path, size // 2)
+        return f"{name} is truncated ({size // 2:,} of {size:,} bytes)"
+    if kind == "missing":
+        os.remove(path)
+        return f"{name} is missing"
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)[0]
+        f.seek(size // 2)
+        f.write(bytes([byte ^ 0x01]))
+    return f"{name} fails its checksum (content changed, same size)"
+
+
+def assert_each_damage_is_named(checkpoint, name: str, scratch) -> None:
+    """A copy of `checkpoint` with `name` truncated, missing or with a flipped byte fails verification, naming it."""
+    from common.integrity import verify
+
+    assert verify(str(checkpoint)) == (True, None)
+    for kind in DAMAGES:
+        copy = os.path.join(scratch, f"{os.path.basename(checkpoint)}-{kind}")
+        shutil.copytree(checkpoint, copy)
+        expected = damage(copy, name, kind)
+        assert verify(copy) == (True, expected), kind
+        shutil.rmtree(copy)
+
+
+def copy_checkpoints(source_dir, target_dir, *steps: int) -> None:
+    """A fresh output folder holding copies of `source_dir`'s checkpoints at `steps` (an interrupted run's state)."""
+    for step in steps:
+        shutil.copytree(os.path.join(source_dir, "checkpoints", f"step_{step}"),
+                        os.path.join(target_dir, "checkpoints", f"step_{step}"))
+
+
+def skip_line(checkpoint, problem: str) -> str:
+    """The line `--resume_from_checkpoint auto` prints for a damaged checkpoint it passes over."""
+    return f"Skipping checkpoint {checkpoint}: {problem}; trying the one before it"

@@ -177,3 +177,16 @@ def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processe
     if num_processes == 2:
         root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
         assert f"traceback : {expected}" in root_cause
+
+
+def test_the_checks_only_check(tmp_path):
+    """Validation reads the flags and the environment and changes neither: `auto` stays `auto` in `args`; the
+    checkpoint it names is found by `find_checkpoint_to_resume`, whose result the script keeps on its own."""
+    from common.validation import check_common_flags
+
+    args = pretrain.parse_args(["--resume_from_checkpoint", "auto", "--output_dir", str(tmp_path / "out")])
+    flags, environment = dict(vars(args)), dict(os.environ)
+    check_common_flags(args)
+    assert vars(args) == flags and args.resume_from_checkpoint == "auto"
+    assert dict(os.environ) == environment
+    assert pretrain.find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint) is None  # a fresh start

@@ -36,7 +36,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _project_imports(path: Path) -> set[str]:
-    """The imports of this project's code: by package path (`common.args`, `gpu_suite.suite`) or by a bare name."""
+    """The imports of this project's code: by package path (`common.flags`, `gpu_suite.suite`) or by a bare name."""
     return {name for name in _imports(path) if name.split(".")[0] in FOLDERS or name.split(".")[0] in BARE_NAMES}
 
 

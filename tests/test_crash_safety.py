@@ -1,4 +1,6 @@
-"""Crash safety: checkpoints survive a kill at any moment, one run per output folder, a full disk is one line.
+"""Crash safety: checkpoints survive a kill at any moment, one run per output folder, a full disk is one line, and a
+checkpoint damaged after it was written (a truncated file, a missing file, a flipped byte) is never resumed: `auto`
+passes over it to the newest one that verifies, saying which file; `latest` and an explicit path stop with one line.
 
 The chaos test SIGKILLs a tiny pretraining run at moments drawn from a fixed seed (one before its first checkpoint,
 several while a checkpoint is being written) and restarts it each time with the same command line
@@ -22,9 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SCRIPTS, read_metrics
+from conftest import DAMAGES, ROOT, SCRIPTS, damage, read_metrics, skip_line
 
 from common.checkpoint import complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
+from common.integrity import CHECKSUM, checkpoint_files, share
 from common.metrics import MetricsWriter
 from common.output_dir import claim_output_dir
 from common.paths import COMPLETE_MARKER, LOCK_FILE
@@ -301,3 +304,80 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(reference, corp
     ckpt = copy / "checkpoints" / "step_2"
     assert json.loads((ckpt / COMPLETE_MARKER).read_text())["step"] == 2
     assert load_file(ckpt / "model.safetensors").keys() and torch.load(ckpt / "optimizer.bin")["state"]
+
+
+def one_line_stop(capsys, find, *args) -> str:
+    """The `error: ...` line (status 2) a resume stops with."""
+    with pytest.raises(SystemExit) as stopped:
+        find(*args)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin", "random_states_0.pkl"])
+def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_latest(accelerator, tmp_path, capsys, caplog, name):
+    """Two checkpoints; the newer one damaged each way in turn. Without the record, safetensors would load the
+    flipped byte and a resume without random_states_0.pkl would go on, inexact, both without a word."""
+    import xxhash
+
+    model = torch.nn.Linear(64, 64)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()  # the optimizer has moments to save
+    for step in (1, 2):
+        save_checkpoint(accelerator, str(tmp_path / "run"), step, save_total_limit=None, run=NO_RECORD)
+    newest = tmp_path / "run" / "checkpoints" / "step_2"
+    files = json.loads((newest / COMPLETE_MARKER).read_text())["files"]
+    assert sorted(files) == checkpoint_files(str(newest)) and name in files  # every file, the marker aside
+    for file, recorded in files.items():
+        content = (newest / file).read_bytes()
+        assert recorded == {"bytes": len(content), CHECKSUM: xxhash.xxh3_64(content).hexdigest()}
+    for kind in DAMAGES:
+        out = tmp_path / kind
+        shutil.copytree(tmp_path / "run", out)
+        checkpoint, previous = out / "checkpoints" / "step_2", str(out / "checkpoints" / "step_1")
+        problem = damage(checkpoint, name, kind)
+        if kind == "flipped" and name == "model.safetensors":
+            assert load_file(checkpoint / name).keys()  # safetensors alone would not notice
+        caplog.clear()
+        assert find_checkpoint_to_resume(str(out), "auto", accelerator) == previous
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [skip_line(checkpoint, problem)]
+        assert one_line_stop(capsys, find_checkpoint_to_resume, str(out), "latest", accelerator) == (
+            f"error: --resume_from_checkpoint latest: {checkpoint} is damaged: {problem}; --resume_from_checkpoint "
+            "auto resumes the newest checkpoint that verifies")
+        assert one_line_stop(capsys, find_checkpoint_to_resume, str(out), str(checkpoint), accelerator) == (
+            f"error: --resume_from_checkpoint {checkpoint} is damaged: {problem}; resume another checkpoint "
+            "(--resume_from_checkpoint auto takes the newest one that verifies)")
+        if kind == "missing":  # both damaged: auto has nothing to resume and says so, rather than start over
+            other = damage(previous, name, "truncated")
+            assert one_line_stop(capsys, find_checkpoint_to_resume, str(out), "auto", accelerator) == (
+                f"error: --resume_from_checkpoint auto: no checkpoint under {out / 'checkpoints'} verifies (step_2: "
+                f"{problem}; step_1: {other}); remove them to start fresh, or start over with --overwrite_output_dir "
+                "instead of --resume_from_checkpoint")
+
+
+def test_a_checkpoint_without_a_file_record_resumes_with_a_warning(accelerator, tmp_path, caplog):
+    """Checkpoints saved before markers recorded their files: resumed unverified, with one line saying so."""
+    model = torch.nn.Linear(4, 4)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    save_checkpoint(accelerator, str(tmp_path), 1, save_total_limit=None, run=NO_RECORD)
+    checkpoint = tmp_path / "checkpoints" / "step_1"
+    (checkpoint / COMPLETE_MARKER).write_text('{"step": 1, "metrics_rows": 0}')
+    for value in ("latest", "auto"):
+        caplog.clear()
+        assert find_checkpoint_to_resume(str(tmp_path), value, accelerator) == str(checkpoint)
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"{checkpoint} records no file sizes or checksums (saved by an older version, or not marked complete): "
+            "resuming it unverified"]
+
+
+def test_the_processes_share_the_checksums_evenly():
+    """Each file is checksummed by exactly one process; no process carries more than the largest file extra."""
+    sizes = {f"f{i}": size for i, size in enumerate([100, 7, 7, 3, 50, 50, 1, 0, 64, 2])}
+    for count in (1, 2, 3, 4):
+        parts = [share(sizes, index, count) for index in range(count)]
+        assert sorted(n for part in parts for n in part) == sorted(sizes)
+        loads = [sum(sizes[n] for n in part) for part in parts]
+        assert max(loads) - min(loads) <= max(sizes.values())

@@ -1,7 +1,7 @@
 """The shipped launch configs give the same training as one process: DDP and DeepSpeed ZeRO-1/2/3 (+ CPU offload).
 
-Every run starts from the same saved tiny model (ZeRO-3 builds models partitioned, with its own random init, so a
-shared starting point is what makes runs comparable) and trains 4 optimizer steps on a global batch of 8 sequences:
+Every run starts from the same saved tiny model (from-scratch parity, ZeRO-3 included, is tests/test_init_parity.py)
+and trains 4 optimizer steps on a global batch of 8 sequences:
 1 process x 4 sequences x 2 accumulation steps, or 2 processes x 2 x 2. All in fp32 (`--mixed_precision no`):
 DeepSpeed's bf16 keeps bf16 weights with fp32 master copies, which autocast does not, so bf16 runs differ by bf16
 rounding (~1e-2) and would hide real bugs. In fp32 the only difference is summation order: losses agree to
@@ -35,7 +35,8 @@ import time
 import pytest
 import torch
 
-from conftest import ACCELERATE, ROOT, launcher, read_metrics, run_script
+from conftest import (ACCELERATE, ROOT, assert_each_damage_is_named, copy_checkpoints, damage, launcher, read_metrics,
+                      run_script, skip_line)
 
 LOSS_RTOL = 1e-5     # measured: identical to ~1e-7 relative
 # Per tensor, |a - b| / |b| (Frobenius). Measured <= 5e-6: Adam divides by sqrt(v), so an element whose gradient is
@@ -128,7 +129,8 @@ def test_two_processes_match_one(config, corpus, init_model, reference, tmp_path
 
 def test_zero3_matches_one_process_and_resumes(corpus, init_model, reference, tmp_path):
     """ZeRO-3 over 2 processes: same training; the export (gathered 16-bit weights) loads and matches; a run
-    resumed from its step-2 checkpoint continues exactly as the uninterrupted one."""
+    resumed from its step-2 checkpoint continues exactly as the uninterrupted one. The newer step-4 checkpoint lost
+    rank 1's optimizer states: `--resume_from_checkpoint auto` names the file and passes over it."""
     full, resumed = tmp_path / "zero3", tmp_path / "zero3-resumed"
     proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, full, 2, "--checkpointing_steps", "2"),
                       launcher=launcher("deepspeed_zero3.yaml"))
@@ -136,8 +138,14 @@ def test_zero3_matches_one_process_and_resumes(corpus, init_model, reference, tm
           f"{assert_default_end_of_run(proc, full, reference)}")
     checkpoint = full / "checkpoints" / "step_2"
     assert (checkpoint / "pytorch_model").is_dir()  # DeepSpeed's partitioned model + optimizer states
+    rank_1_states = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert_each_damage_is_named(checkpoint, rank_1_states, tmp_path)  # every rank's files are recorded
+    copy_checkpoints(full, resumed, 2, 4)  # the newer one damaged: `auto` names the file and resumes step 2
+    problem = damage(resumed / "checkpoints" / "step_4", rank_1_states, "missing")
     proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, resumed, 2, "--resume_from_checkpoint",
-                                                       str(checkpoint)), launcher=launcher("deepspeed_zero3.yaml"))
+                                                       "auto"), launcher=launcher("deepspeed_zero3.yaml"))
+    assert [line.split("WARNING common.checkpoint: ")[1] for line in proc.stderr.splitlines()
+            if "Skipping checkpoint" in line] == [skip_line(resumed / "checkpoints" / "step_4", problem)]
     print(f"deepspeed_zero3.yaml resumed at step 2: {assert_same_training(resumed, full, steps=(3, 4))}")
     assert_default_end_of_run(proc, resumed, reference)
 

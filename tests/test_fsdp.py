@@ -8,7 +8,8 @@ Runs start from the saved tiny models of tests/test_distributed.py (pretraining)
   the logged gradient norm to GRAD_NORM_RTOL: it is the fp32 norm of sharded gradients, summed in another order;
 - the checkpoint is sharded: each rank writes its own torch.distributed.checkpoint file, about half of the bytes;
 - a resumed run continues the uninterrupted one, on 2 processes and on 1 (same global batch, 2 -> 1): losses and
-  weights to RESUME_RTOL (measured equal, weights ~2e-8);
+  weights to RESUME_RTOL (measured equal, weights ~2e-8); the newer checkpoint it passes over has a damaged shard
+  (`--resume_from_checkpoint auto` names it), and the completion marker records every rank's shards;
 - the export is gathered on every rank (accelerate's get_state_dict) and loads with `from_pretrained`;
 - --gradient_checkpointing and --bf16 run under FSDP2 (bf16: losses within BF16_LOSS_RTOL of fp32);
 - fsdp2_fp8.yaml hands accelerate an FSDP2 plugin it accepts next to torchao fp8 (fsdp2.yaml's
@@ -24,7 +25,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import ROOT, assert_each_damage_is_named, copy_checkpoints, damage, run_script, skip_line
 from test_distributed import (  # noqa: F401 (init_model and reference are fixtures)
     ACCELERATE,
     LOSS_RTOL,
@@ -105,13 +106,30 @@ def test_two_processes_match_one_and_the_checkpoint_is_sharded(fsdp_run, referen
         assert json.load(f)["num_processes"] == 2
 
 
-@pytest.mark.parametrize("num_processes", [2, 1])
-def test_resume_continues_the_run(num_processes, corpus, init_model, fsdp_run, tmp_path):
-    """From the 2-process step-2 checkpoint, on 2 processes or on 1 (4 sequences per process: same global batch)."""
+def test_every_rank_file_is_recorded_and_each_damage_is_named(fsdp_run, tmp_path):
+    """The completion marker lists both ranks' shards of the model and of the optimizer; a rank-1 shard truncated,
+    missing or with a flipped byte fails verification, naming it."""
+    checkpoint = fsdp_run / "checkpoints" / "step_2"
+    with open(checkpoint / "checkpoint_complete.json") as f:
+        recorded = json.load(f)["files"]
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {f"{part}/__0_0.distcp", f"{part}/__1_0.distcp", f"{part}/.metadata"} <= set(recorded)
+    assert_each_damage_is_named(checkpoint, "optimizer_0/__1_0.distcp", tmp_path)
+
+
+@pytest.mark.parametrize("num_processes,damaged", [(2, ("optimizer_0/__1_0.distcp", "truncated")),
+                                                   (1, ("pytorch_model_fsdp_0/__0_0.distcp", "flipped"))])
+def test_resume_continues_the_run(num_processes, damaged, corpus, init_model, fsdp_run, tmp_path):
+    """From the 2-process step-2 checkpoint, on 2 processes or on 1 (4 sequences per process: same global batch).
+    The newer step-4 checkpoint has a damaged shard: `--resume_from_checkpoint auto` names it and passes over it."""
     out = tmp_path / f"resumed_on_{num_processes}"
-    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4 // num_processes, "--resume_from_checkpoint",
-                                                str(fsdp_run / "checkpoints" / "step_2")),
-               launcher=fsdp_launcher(num_processes))
+    copy_checkpoints(fsdp_run, out, 2, 4)
+    problem = damage(out / "checkpoints" / "step_4", *damaged)
+    proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4 // num_processes,
+                                                       "--resume_from_checkpoint", "auto"),
+                      launcher=fsdp_launcher(num_processes))
+    assert [line.split("WARNING common.checkpoint: ")[1] for line in proc.stderr.splitlines()
+            if "Skipping checkpoint" in line] == [skip_line(out / "checkpoints" / "step_4", problem)]
     print(f"resumed on {num_processes} process(es) vs uninterrupted: "
           f"{compare_runs(out, fsdp_run, (3, 4), RESUME_RTOL, GRAD_NORM_RTOL, RESUME_RTOL)}")
 
