@@ -24,7 +24,7 @@ ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output
 
 
 def lora_config(args: argparse.Namespace, task_type: str):
-    """The peft LoraConfig of the flags (`task_type` CAUSAL_LM or SEQ_CLS: peft then also trains a classifier's head)."""
+    """The flags' peft LoraConfig (`task_type` CAUSAL_LM, or SEQ_CLS: peft then also trains a classifier's head)."""
     from peft import LoraConfig
 
     targets = ALL_LINEAR if args.lora_target_modules == [ALL_LINEAR] else list(args.lora_target_modules)
@@ -130,7 +130,8 @@ def trainable_names(model: nn.Module) -> set[str]:
 def keep_only_trainable_weights(models: list, weights: list, output_dir: str) -> None:
     """`save_state` hook (one process and DDP): a checkpoint holds the adapter (and a classifier's head), not the
     frozen base, which every start loads from the pretrained model. DeepSpeed is told the same by
-    common/checkpoint.py; FSDP2 writes the whole sharded model (accelerate 1.15's save_state has no adapter-only path)."""
+    common/checkpoint.py; FSDP2 writes the whole sharded model (accelerate 1.15's save_state has no adapter-only
+    path)."""
     for i, model in enumerate(models[:len(weights)]):
         if is_peft_model(model):
             keep = trainable_names(model)

@@ -130,7 +130,7 @@ def check_peft_flags(args: argparse.Namespace) -> None:
     if args.load_in_4bit and not args.use_peft:
         fail("--load_in_4bit needs --use_peft: a 4-bit base cannot be trained, QLoRA trains a LoRA adapter on it")
     if args.merge_adapter and not args.use_peft:
-        fail("--merge_adapter needs --use_peft: without it the run trains the whole model, there is no adapter to merge")
+        fail("--merge_adapter needs --use_peft: without it the run trains the whole model, no adapter to merge")
     if not args.use_peft:
         return
     if args.lora_r < 1 or args.lora_alpha <= 0:

@@ -192,7 +192,7 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                                                          args.max_steps, args.num_train_epochs)
     run.add_data(tokenizer, steps_per_epoch)
 
-    # ---- model (with --use_peft: a frozen, maybe 4-bit, base and a LoRA adapter), freezing, optimizer, schedule -------
+    # ---- model (with --use_peft: a frozen, maybe 4-bit, base and a LoRA adapter), freezing, optimizer, schedule ------
     model = build_causal_lm(args, config, len(tokenizer), **base_model_kwargs(args, accelerator, "CAUSAL_LM"))
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     model = add_adapter(args, accelerator, model, "CAUSAL_LM")

@@ -129,7 +129,7 @@ def base_state(data: dict, quantized: bool) -> dict[str, torch.Tensor]:
 
 
 def base_key(peft_key: str) -> str:
-    """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`"""
+    """`base_model.model.model.layers.0.mlp.up_proj.base_layer.weight` -> `model.layers.0.mlp.up_proj.weight`"""
     return peft_key.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
@@ -332,7 +332,7 @@ def test_bad_flags_are_one_line_before_any_work(data, tmp_path, capsys, monkeypa
         (ft, ["--load_in_4bit"], "error: --load_in_4bit needs --use_peft: a 4-bit base cannot be trained, QLoRA "
                                  "trains a LoRA adapter on it"),
         (classifier, ["--merge_adapter"], "error: --merge_adapter needs --use_peft: without it the run trains the "
-                                          "whole model, there is no adapter to merge"),
+                                          "whole model, no adapter to merge"),
         (ft, ["--use_peft", "--lora_target_modules", "q_proj", "qkv_proj"],
          "error: --lora_target_modules qkv_proj: no module of LlamaForCausalLM has that name; its linear modules "
          "are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
@@ -391,8 +391,8 @@ def test_classifier_trains_its_head_with_the_adapter_on_a_4bit_base(tiny, tmp_pa
 def test_estimator_counts_the_adapter_and_the_4bit_base(tmp_path):
     """tools/estimate_memory.py's LoRA/QLoRA accounting against real models of the tiny preset: the adapter's
     parameter count equals peft's on all linear layers, the 4-bit base's bytes what bitsandbytes stores (to 0.5 %,
-    without the per-layer code books); for Llama-3.1-8B at 2 x 2,048 on 24 GB QLoRA fits with checkpointing, LoRA does not, and the
-    published figures are printed next to the estimate."""
+    without the per-layer code books); for Llama-3.1-8B at 2 x 2,048 on 24 GB QLoRA fits with checkpointing, LoRA
+    does not, and the published figures are printed next to the estimate."""
     import argparse
 
     from peft import LoraConfig, get_peft_model
@@ -409,9 +409,9 @@ def test_estimator_counts_the_adapter_and_the_4bit_base(tmp_path):
     assert sum(p.numel() for p in lora.parameters() if p.requires_grad) == 8 * shape.lora_per_rank
     options = {method: (base, trained) for method, _, base, trained in estimate_memory.adapter_options(shape, 8, True)}
     assert options["LoRA"] == (2 * shape.params, 16 * 8 * shape.lora_per_rank)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
     quantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map={"": "cpu"},
-                                                     quantization_config=BitsAndBytesConfig(
-                                                         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True))
+                                                     quantization_config=nf4)
     stored = {k: v.numel() * v.element_size() for k, v in quantized.state_dict().items() if isinstance(v, torch.Tensor)}
     code_books = sum(n for k, n in stored.items() if k.endswith("quant_map") or ".quant_state." in k)  # ~1.3 KB a layer
     estimated = options["QLoRA"][0] - 2 * 2 * shape.largest_linear  # without the layer dequantized while computing

@@ -53,7 +53,8 @@ def compare(out: str, reference: str) -> float:
 
 @pytest.fixture(scope="module")
 def references(data) -> dict[str, str]:  # noqa: F811
-    return {"lora": finetune(data, "one_process_lora", None), "qlora": finetune(data, "one_process_qlora", None, *QLORA)}
+    return {"lora": finetune(data, "one_process_lora", None),
+            "qlora": finetune(data, "one_process_qlora", None, *QLORA)}
 
 
 @pytest.mark.parametrize("kind", ["lora", "qlora"])

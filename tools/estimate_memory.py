@@ -26,12 +26,12 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient).
 - Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
   (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
-- LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base in bf16 (2) or,
-  with --load_in_4bit, its linear layers' weights in 4 bits (0.5, + a 4-byte scale per 64 weights, or with nested
-  quantization a 1-byte scale per 64 and a 4-byte one per 64 x 256) and the rest (embeddings, head, norms) in bf16;
-  plus the adapter (rank r on every linear layer but the head: r x (inputs + outputs) parameters each) with fp32
-  weights, gradients and AdamW m and v: 16 per adapter parameter; plus, for QLoRA, one linear layer dequantized to bf16
-  at a time. Activations as above: the backward pass still runs through the frozen layers.
+- LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base
+  in bf16 (2) or, for QLoRA, its linear layers' weights in 4 bits (0.5, + a 4-byte scale per 64 weights, or with
+  nested quantization a 1-byte scale per 64 and a 4-byte one per 64 x 256) and the rest (embeddings, head, norms) in
+  bf16; plus the adapter (rank r on every linear layer but the head: r x (inputs + outputs) parameters each) with
+  fp32 weights, gradients and AdamW m and v: 16 per adapter parameter; plus, for QLoRA, one linear layer dequantized
+  to bf16 at a time. Activations as above: the backward pass still runs through the frozen layers.
 A config "fits" when its per-GPU total stays under 90% of the GPU's memory (the rest: CUDA context, allocator
 fragmentation, communication buffers), and its host total under 90% of --host_memory_gb when that is given. The
 pick is the first fitting row (rows run fastest first), preferring activation checkpointing (~20-30% slower) to
@@ -101,7 +101,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_unit=max(units),
                       layers=config.num_hidden_layers, hidden=config.hidden_size,
                       heads=config.num_attention_heads, vocab=config.vocab_size,
-                      linear=sum(m.weight.numel() for m in linear), largest_linear=max(m.weight.numel() for m in linear),
+                      linear=sum(m.weight.numel() for m in linear),
+                      largest_linear=max(m.weight.numel() for m in linear),
                       lora_per_rank=sum(m.in_features + m.out_features for m in linear))
 
 
@@ -160,8 +161,9 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     """The --use_peft table: full fine-tuning vs LoRA vs QLoRA, per GPU holding the whole model (one GPU, DDP)."""
     acts = [activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, args.attn_implementation != "eager")
             for ckpt in (False, True)]
-    lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({args.lora_r * shape.lora_per_rank / 1e6:.1f}M"
-             " adapter parameters), per GPU holding the whole model (one GPU, DDP):", "",
+    adapter_params = args.lora_r * shape.lora_per_rank
+    lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({adapter_params / 1e6:.1f}M adapter "
+             "parameters), per GPU holding the whole model (one GPU, DDP):", "",
              "| method | flags | frozen base | trained weights, gradients, AdamW | activations (plain / checkpointed) "
              "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
     for method, flags, base, trained in adapter_options(shape, args.lora_r, args.use_bnb_nested_quant):
