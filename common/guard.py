@@ -1,10 +1,12 @@
 """The divergence guard: each optimizer step's verdict (apply the update, skip it, or stop: diverged), the same on every
 rank, from the step's loss and gradient norm; and the check that no non-finite weight is ever saved.
 
-The verdict is the same on every rank: the step's loss is all-reduced here (one all-reduce and one read to the host
-per optimizer step) and the gradient norm from `accelerator.clip_grad_norm_` is computed on the all-reduced
-gradients. A skipped step leaves the optimizer (moments, step count) and the learning-rate schedule untouched; the
-loop's `zero_grad` drops its gradients.
+The verdict is the same on every rank: the step's loss is all-reduced here and the gradient norm from
+`accelerator.clip_grad_norm_` is computed on the all-reduced gradients. Whether any rank received a stop signal rides
+on the same all-reduce, so the step's loss, gradient norm and stop request come to the host in one read: the only
+read of a device value a training loop makes outside logging steps (on a GPU each read waits for the device's queue
+to drain; tests/test_host_syncs.py counts them). A skipped step leaves the optimizer (moments, step count) and the
+learning-rate schedule untouched; the loop's `zero_grad` drops its gradients.
 
 Two engines skip such steps themselves, before the loop can:
 - fp16 loss scaling (a CUDA GradScaler): an overflow (finite loss, inf gradients) is normal while the scale settles.
@@ -44,10 +46,12 @@ class Verdict(enum.Enum):
 
 @dataclass
 class StepCheck:
-    """One optimizer step as every rank sees it: its loss over all processes, its gradient norm, and the verdict."""
+    """One optimizer step as every rank sees it: its loss over all processes, its gradient norm, the verdict, and
+    whether any rank has received a stop signal (then every rank saves this step and returns)."""
     loss: float
     grad_norm: float | None
     verdict: Verdict
+    stop_requested: bool = False
 
 
 class NonFiniteGuard:
@@ -58,20 +62,25 @@ class NonFiniteGuard:
         self.loss_scaling = accelerator.mixed_precision == "fp16"
         self.consecutive = 0
 
-    def check(self, window_loss: torch.Tensor, grad_norm) -> StepCheck:
+    def check(self, window_loss: torch.Tensor, grad_norm, stop_signalled: bool = False) -> StepCheck:
         """`window_loss`: this process's share of the step's loss (the shares of all processes sum to it);
-        `grad_norm`: what `accelerator.clip_grad_norm_` returned (None when the engine does not report it).
+        `grad_norm`: what `accelerator.clip_grad_norm_` returned (None when the engine does not report it);
+        `stop_signalled`: whether this process has received a stop signal (`common/preemption.stop_signalled`).
 
         Collective: every rank calls it once per optimizer step, before `optimizer.step()`.
         """
-        loss_tensor = self.accelerator.reduce(window_loss.detach().float(), "sum")
+        loss = window_loss.detach().float()
+        # full_like: a fill on the device, no host-to-device copy (which would wait for the device's queue too)
+        loss_and_stops = self.accelerator.reduce(torch.stack([loss, torch.full_like(loss, float(stop_signalled))]),
+                                                 "sum")
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, replicated on every rank
             grad_norm = grad_norm.full_tensor()
-        if isinstance(grad_norm, torch.Tensor):  # one read to the host for both figures
-            loss, norm = torch.stack([loss_tensor, grad_norm.detach().float().to(loss_tensor.device)]).tolist()
+        if isinstance(grad_norm, torch.Tensor):  # one read to the host for all three figures
+            grad_norm = grad_norm.detach().float().to(loss.device).reshape(1)
+            loss_sum, stops, norm = torch.cat([loss_and_stops, grad_norm]).tolist()
         else:
-            loss, norm = loss_tensor.item(), None if grad_norm is None else float(grad_norm)
-        return StepCheck(loss, norm, self._verdict(loss, norm))
+            (loss_sum, stops), norm = loss_and_stops.tolist(), None if grad_norm is None else float(grad_norm)
+        return StepCheck(loss_sum, norm, self._verdict(loss_sum, norm), stop_requested=stops > 0)
 
     def _verdict(self, loss: float, norm: float | None) -> Verdict:
         if math.isfinite(loss) and (norm is None or math.isfinite(norm)):

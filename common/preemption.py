@@ -1,9 +1,9 @@
 """Graceful stop on SIGTERM, SIGINT and SIGUSR1 (Slurm `--signal`, Kubernetes, Ctrl-C): the loop finishes the current
 optimizer step on every rank, saves a checkpoint, says how to continue and ends the run with status 143.
 
-The handler only records the signal. At each optimizer-step boundary `stop_requested` turns it into accelerate's
-trigger (`set_trigger` on the rank that got it, `check_trigger` on all: one small all-reduce), so every rank stops
-after the same step even when only one of them was signalled.
+The handler only records the signal. Once per optimizer step the loop hands `stop_signalled()` to the divergence
+guard, whose all-reduce carries it to every rank with the step's loss (`common/guard.py`: one read to the host for
+both), so every rank stops after the same step even when only one of them was signalled.
 
 Launchers, measured with accelerate 1.15 / torch 2.13 on Linux:
 - `accelerate launch` with one process starts the script with a plain `Popen` and does not forward signals: a
@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 
-from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 logger = get_logger(__name__)
@@ -58,11 +57,9 @@ def stop_when_launcher_dies() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_requested(accelerator: Accelerator) -> bool:
-    """True on every rank when any rank has received a stop signal. Collective: call it on all ranks, once per step."""
-    if _received:
-        accelerator.set_trigger()
-    return accelerator.check_trigger()
+def stop_signalled() -> bool:
+    """Whether this process has received a stop signal (local: no collective; the guard shares it with every rank)."""
+    return bool(_received)
 
 
 def announce_stop(step: int, checkpoint: str) -> None:

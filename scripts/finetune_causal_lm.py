@@ -51,7 +51,7 @@ from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_requested
+from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
 from common.run_record import RunRecord
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows, track_progress
@@ -232,7 +232,7 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    checked = guard.check(window_loss, grad_norm)
+                    checked = guard.check(window_loss, grad_norm, stop_signalled())
                     if checked.verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
@@ -243,7 +243,7 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
         step = progress.step
         log.step(step, lr, checked.loss, checked.grad_norm)
 
-        stop = stop_requested(accelerator)
+        stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)

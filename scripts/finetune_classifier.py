@@ -45,7 +45,7 @@ from common.modeling import (count_parameters, enable_gradient_checkpointing, fr
                              load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_requested
+from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
 from common.run_record import RunRecord
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
@@ -216,7 +216,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    checked = guard.check(window_loss, grad_norm)
+                    checked = guard.check(window_loss, grad_norm, stop_signalled())
                     if checked.verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
@@ -227,7 +227,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         step = progress.step
         log.step(step, lr, checked.loss, checked.grad_norm)
 
-        stop = stop_requested(accelerator)
+        stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
                 metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))

@@ -39,7 +39,7 @@ from common.modeling import (PRESETS, build_causal_lm, check_block_size, count_p
                              outside_zero3)
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import claim_output_dir
-from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_requested
+from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
 from common.run_record import RunRecord
 from common.runtime import build_accelerator, finish, init_trackers
 from common.steps import count_optimizer_steps, optimizer_step_windows, stream_step_windows, track_progress
@@ -160,7 +160,8 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    checked = guard.check(window_loss, grad_norm)  # the same verdict on every rank
+                    # the step's one read to the host: loss, gradient norm, any rank's stop signal; same verdict everywhere
+                    checked = guard.check(window_loss, grad_norm, stop_signalled())
                     if checked.verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:  # fp16 overflow or DeepSpeed's own skip
@@ -171,7 +172,7 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
         step = progress.step
         log.step(step, lr, checked.loss, checked.grad_norm)
 
-        stop = stop_requested(accelerator)  # a stop signal on any rank: every rank saves this step and returns
+        stop = checked.stop_requested  # a stop signal on any rank: every rank saves this step and returns
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
