@@ -21,7 +21,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = ()) -> None:
+def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = (), lm_head: bool = True) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model_name_or_path", help="Pretrained checkpoint (local folder or hub id) to start from.")
     g.add_argument("--config_name", help="Model config (path or hub id) to build a model from scratch.")
@@ -33,6 +33,9 @@ def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = (
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="Recompute activations in the backward pass (non-reentrant): less memory, ~30%% more compute.")
     g.add_argument("--torch_compile", action="store_true", help="torch.compile the model (inductor).")
+    if lm_head:  # causal LMs: their vocabulary-sized logits are the largest activation
+        g.add_argument("--chunked_cross_entropy", action="store_true",
+                       help="LM head and loss over chunks of tokens: the full logits are never materialised.")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ from accelerate.logging import get_logger
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
+from common.chunked_loss import check_chunked_loss, use_chunked_loss
 from common.errors import fail
 
 logger = get_logger(__name__)
@@ -71,18 +72,22 @@ def from_pretrained_or_fail(load: Callable, name: str, flag: str):
 def load_config(args: argparse.Namespace) -> PretrainedConfig:
     """The model's config, cheaply (no weights), so that flags can be checked against it before any heavy work."""
     if args.model_name_or_path:
-        return from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
-    if args.config_name:
-        return from_pretrained_or_fail(AutoConfig.from_pretrained, args.config_name, "--config_name")
-    preset = args.model_preset or "tiny"
-    if preset in MOE_PRESETS:
-        return MixtralConfig(**MOE_PRESETS[preset])
-    return LlamaConfig(**LLAMA_PRESETS[preset])
+        config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
+    elif args.config_name:
+        config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.config_name, "--config_name")
+    else:
+        preset = args.model_preset or "tiny"
+        config = MixtralConfig(**MOE_PRESETS[preset]) if preset in MOE_PRESETS else LlamaConfig(**LLAMA_PRESETS[preset])
+    if getattr(args, "chunked_cross_entropy", False):
+        check_chunked_loss(config)
+    return config
 
 
 def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
     """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
     config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
+    if getattr(args, "chunked_cross_entropy", False):
+        check_chunked_loss(config)
     if args.freeze_layers > config.num_hidden_layers:
         fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -117,6 +122,8 @@ def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_si
         model = build_from_config(config, **kwargs)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if getattr(args, "chunked_cross_entropy", False):
+        use_chunked_loss(model)
     return model
 
 

@@ -57,7 +57,7 @@ DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resu
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser)
+    add_model_args(parser, lm_head=False)
     add_data_args(parser)
     add_training_args(parser)
     add_finetuning_args(parser)
