@@ -9,8 +9,9 @@
     python benchmarks/benchmark.py --script scripts/finetune_causal_lm.py --methods baseline,lora,qlora \\
         --seq_flag=--max_seq_length -- --model_name_or_path outputs/pretrain   # full fine-tuning vs LoRA vs QLoRA
 
-Each method runs in a fresh process for `--warm_steps` + `--timed_steps` optimizer steps with `--logging_steps 1`;
-the timed steps are read back from the run's metrics.jsonl (its `time` stamps, tokens/s, peak memory, MFU, loss).
+Each method runs in a fresh process for `--warm_steps` + `--timed_steps` optimizer steps, writing a row every
+`--logging_steps` (default 1: a time per step; 10 leaves nine steps in ten free of the row's read to the host); the
+timed rows are read back from the run's metrics.jsonl (`time` stamps, tokens/s, peak memory, MFU, loss).
 Arguments after `--` go to every run of the script. `plain_pytorch` runs benchmarks/plain_loop.py (the same job without
 accelerate) with the flags of `--plain_reference`, and the table reports our tokens/s over it.
 Outputs in --output_dir: results.json (a list of rows, each with its `environment`), results.md, results.png.
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     parser.add_argument("--per_device_train_batch_size", type=int, help="Default: 8 (CPU), 4 (GPU).")
     parser.add_argument("--warm_steps", type=int, help="Untimed optimizer steps first (compile, caches). Default 3/5.")
     parser.add_argument("--timed_steps", type=int, help="Timed optimizer steps. Default: 10 (--quick), 20.")
+    parser.add_argument("--logging_steps", type=int, default=1, help="A metrics row (and a timing) every N steps; "
+                        "--warm_steps and --timed_steps must be multiples of it.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
     parser.add_argument("--time_budget_s", type=float, help="Start no run after this many seconds; a run still going "
                         "then is stopped. Both are reported as failed. Default: no limit.")
@@ -88,11 +91,14 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     if args.warm_steps is None:
         args.warm_steps = 3 if args.quick else 5
     args.timed_steps = args.timed_steps or (10 if args.quick else 20)
-    for name in ("seq_len", "per_device_train_batch_size", "warm_steps", "repeats"):
+    for name in ("seq_len", "per_device_train_batch_size", "warm_steps", "repeats", "logging_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
-    if args.timed_steps < 2:
-        fail(f"--timed_steps must be >= 2 for a spread (got {args.timed_steps})")
+    if args.timed_steps < 2 * args.logging_steps:
+        fail(f"--timed_steps must be >= 2 x --logging_steps for a spread (got {args.timed_steps})")
+    if args.warm_steps % args.logging_steps or args.timed_steps % args.logging_steps:
+        fail(f"--warm_steps ({args.warm_steps}) and --timed_steps ({args.timed_steps}) must be multiples of "
+             f"--logging_steps ({args.logging_steps})")
     args.table = {**method_table(args, cuda, pretraining), **(extra_methods or {})}
     wanted = args.methods.split(",") if args.methods else list(args.table)
     unknown = [m for m in wanted if m not in args.table]
@@ -115,6 +121,7 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
     accumulate = ["--per_device_train_batch_size", str(mb), "--gradient_accumulation_steps", "4"]
     table = {
         "baseline": {"flags": []},
+        "no_clipping": {"flags": ["--max_grad_norm", "0"]},  # the plain loop's work: compare the two with it
         "accumulation": {"flags": accumulate},
         "gradient_checkpointing": {"flags": ["--gradient_checkpointing"]},
         "fp16": {"flags": ["--fp16"], "skip": None if cuda else "fp16 loss scaling needs a CUDA GPU"},
@@ -199,7 +206,8 @@ def run_once(args, method: str, repeat: int) -> dict:
     os.makedirs(run_dir)
     total = args.warm_steps + args.timed_steps
     launcher = [sys.executable] if plain else spec.get("launcher", [sys.executable])
-    cmd = launcher + [os.path.join(ROOT, script), "--max_steps", str(total), "--logging_steps", "1",
+    cmd = launcher + [os.path.join(ROOT, script), "--max_steps", str(total),
+                      "--logging_steps", str(args.logging_steps),
                       "--per_device_train_batch_size", str(args.per_device_train_batch_size)]
     if args.seq_flag:
         cmd += [args.seq_flag, str(args.seq_len)]
@@ -223,24 +231,25 @@ def run_once(args, method: str, repeat: int) -> dict:
         if name not in ("metrics.jsonl", "all_results.json", "log.txt"):
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if returncode != 0 or len(rows) != total or "time" not in rows[-1]:
+    every = args.logging_steps
+    if returncode != 0 or len(rows) != total // every or "time" not in rows[-1]:
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
         status = f"stopped after {timeout:.0f} s (--time_budget_s)" if returncode is None else \
             f"exit status {returncode}"
-        return {"error": f"{status}, {len(rows)}/{total} logged steps with a `time` stamp; log: "
+        return {"error": f"{status}, {len(rows)}/{total // every} logged rows with a `time` stamp; log: "
                          f"{os.path.join(run_dir, 'log.txt')}\n{tail}"}
-    timed = rows[args.warm_steps:]
-    step_times = [b["time"] - a["time"] for a, b in zip(rows[args.warm_steps - 1:], timed)]
-    seconds = sum(step_times)
+    timed = rows[args.warm_steps // every:]
+    step_times = [(b["time"] - a["time"]) / every for a, b in zip(rows[args.warm_steps // every - 1:], timed)]
+    seconds = sum(step_times) * every
 
     def time_weighted(key: str) -> float | None:  # the rate over the whole timed window
-        return sum(r[key] * t for r, t in zip(timed, step_times)) / seconds if key in timed[-1] else None
+        return sum(r[key] * t * every for r, t in zip(timed, step_times)) / seconds if key in timed[-1] else None
 
     samples_per_step = flag_value(cmd, "--per_device_train_batch_size") * \
         flag_value(cmd, "--gradient_accumulation_steps")
     return {"tokens_per_second": time_weighted("tokens_per_second"),
-            "samples_per_second": samples_per_step * len(timed) / seconds, "step_times": step_times,
+            "samples_per_second": samples_per_step * args.timed_steps / seconds, "step_times": step_times,
             "mfu": time_weighted("mfu"), "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
             "peak_memory_reserved_bytes": max((r.get("peak_memory_reserved_bytes") or 0) for r in rows) or None,
             "final_loss": rows[-1]["loss"]}

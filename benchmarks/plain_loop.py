@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""The reference loop for the benchmark: the pretraining job in plain PyTorch, without accelerate.
+"""The reference loop for the benchmark: the pretraining job as the textbook PyTorch loop, without accelerate.
 
-    python benchmarks/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 1
+    python benchmarks/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 10
 
-It takes the flags of scripts/pretrain_llama.py (the same groups and checks) and does the same work per
-optimizer step: the same data pipeline, tokenizer, blocks, shuffle and batch (common/data.py), the same model and
-initialisation (common/modeling.py), optimizer and schedule (common/optim.py), autocast precision, torch.compile,
-accumulation, clipping, scheduler step, zero_grad, and a logged row per `--logging_steps` in the same
-metrics.jsonl format. One process only; no evaluation, checkpoints or export (the benchmark times only training
-steps). With fixed-length blocks its losses equal the pretraining script's.
+Per optimizer step it does what a reader writes in ten lines: forward, `loss.backward()`, `optimizer.step()`,
+`scheduler.step()`, `zero_grad()` (under autocast and a GradScaler when --bf16/--fp16 ask for it). No clipping
+(`--max_grad_norm` is ignored: compare with the recipe's `--max_grad_norm 0` for the same work), no divergence
+guard, no stop signals, and nothing read from the device between `--logging_steps` rows. It shares the inputs of
+scripts/pretrain_llama.py: the same flags, data pipeline, tokenizer, blocks, shuffle and batch (common/data.py), the
+same model and initialisation (common/modeling.py), optimizer and schedule (common/optim.py). One process only; no
+evaluation, checkpoints or export. A row's loss is the step's last micro-batch's; with fixed-length blocks and
+without clipping its losses equal the pretraining script's.
 """
 
 from __future__ import annotations
@@ -99,45 +101,35 @@ def main() -> None:
     metrics = MetricsWriter(args.output_dir, True)
     peak_flops = peak_flops_per_device()
     throughput = Throughput()
-    step, loss_sum, steps_since_log, row = 0, torch.zeros((), device=device), 0, {}
+    step, row = 0, {}
     model.train()
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         sampler.generator.manual_seed(args.seed + epoch)
         batches = iter(loader)
-        for _ in range(steps_per_epoch):
-            lr = scheduler.get_last_lr()[0]
+        for _ in range(min(steps_per_epoch, total_steps - step)):
+            lr = scheduler.get_last_lr()[0]  # the step's learning rate, as the recipes log it
             for _ in range(ga):
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     loss = model(**batch).loss / ga
                 scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            scale = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            if scaler.get_scale() >= scale:  # fp16: an overflowed (skipped) step does not advance the schedule
-                scheduler.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            steps_since_log += 1
             throughput.add(ga * batch["input_ids"].numel())
             if step % args.logging_steps == 0 or step == total_steps:
                 tokens_per_second = throughput.report()
-                row = {"step": step, "epoch": round(step / steps_per_epoch, 4),
-                       "loss": loss_sum.item() / steps_since_log, "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens_per_second": tokens_per_second, "peak_memory_bytes": peak_memory_bytes()}
+                row = {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": loss.item() * ga,
+                       "lr": lr, "tokens_per_second": tokens_per_second,
+                       "peak_memory_bytes": peak_memory_bytes()}
                 if peak_flops:
                     row["mfu"] = tokens_per_second * step_flops / peak_flops
                 if device.type == "cuda":
                     row["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
                 metrics.write(row)
                 print(f"step {step}: loss {row['loss']:.4f} tok/s {tokens_per_second:,.0f}", flush=True)
-                loss_sum.zero_()
-                steps_since_log = 0
-            if step >= total_steps:
-                break
     write_all_results(args.output_dir, {"train_loss": row.get("loss"), "train_steps": step, "num_processes": 1,
                                         "num_parameters": total_params, "peak_memory_bytes": peak_memory_bytes()})
 

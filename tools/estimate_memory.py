@@ -23,7 +23,9 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
 - Activations per GPU (Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s, hidden h, L layers,
   a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
   L·s·b·h·34. With --gradient_checkpointing only each layer's bf16 input stays (2·s·b·h·L) plus one layer's
-  activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient).
+  activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient);
+  with --chunked_cross_entropy only one chunk of them exists at a time, which torch sizes to the head's input (s·b·h
+  elements): s·b·h·10.
 - Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
   (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
 - LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base
@@ -106,11 +108,17 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       lora_per_rank=sum(m.in_features + m.out_features for m in linear))
 
 
-def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True) -> float:
+def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool) -> float:
+    """The LM head's logits, their fp32 copy and gradient: all at once, or one chunk of them (see the docstring)."""
+    return seq * batch * (shape.hidden if chunked else shape.vocab) * 10
+
+
+def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True,
+                     chunked: bool = False) -> float:
     """Per-GPU activation memory of one micro-batch (see the module docstring)."""
     s, b, h, layers = seq, batch, shape.hidden, shape.layers
     per_layer = s * b * h * (34 + (0 if sdpa else 5 * shape.heads * s / h))
-    logits = s * b * shape.vocab * 10
+    logits = logits_bytes(shape, seq, batch, chunked)
     if checkpointing:
         return 2 * s * b * h * layers + per_layer + logits
     return layers * per_layer + logits
@@ -159,8 +167,8 @@ def adapter_options(shape: ModelShape, r: int, nested: bool) -> list[tuple[str, 
 
 def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     """The --use_peft table: full fine-tuning vs LoRA vs QLoRA, per GPU holding the whole model (one GPU, DDP)."""
-    acts = [activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, args.attn_implementation != "eager")
-            for ckpt in (False, True)]
+    acts = [activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, args.attn_implementation != "eager",
+                             args.chunked_cross_entropy) for ckpt in (False, True)]
     adapter_params = args.lora_r * shape.lora_per_rank
     lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({adapter_params / 1e6:.1f}M adapter "
              "parameters), per GPU holding the whole model (one GPU, DDP):", "",
@@ -175,8 +183,10 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
                      f"({totals[1] / 2**30:.1f} GiB checkpointed) | {verdict} |")
     lines += ["", "Published for comparison, not measured here (torchtune, Llama-3.1-8B, one 24 GB RTX 4090, batch 2 x "
               "2,048 packed tokens, activation checkpointing, chunked cross-entropy): "
-              + "; ".join(f"{k} {v}" for k, v in PUBLISHED_8B.items()) + ". This estimate counts the full logits "
-              "(10 bytes per token per vocabulary entry), as the scripts compute them."]
+              + "; ".join(f"{k} {v}" for k, v in PUBLISHED_8B.items()) + ". This estimate counts "
+              + ("one chunk of the logits (--chunked_cross_entropy)." if args.chunked_cross_entropy else
+                 "the full logits (10 bytes per token per vocabulary entry); add --chunked_cross_entropy to count "
+                 "one chunk, as torchtune does.")]
     return lines
 
 
@@ -190,17 +200,23 @@ def report(args: argparse.Namespace) -> str:
     gpu_limit, host_limit = args.gpu_memory_gb * GB, (args.host_memory_gb or math.inf) * GB
     sdpa = args.attn_implementation != "eager"
     acts = None if shape.hidden is None else [
-        activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, sdpa) for ckpt in (False, True)]
+        activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, sdpa, args.chunked_cross_entropy)
+        for ckpt in (False, True)]
     source = f"--params {args.params:.3g}" if args.params else (args.config_name or f"preset {args.model_preset}")
     lines = [f"Model: {source}, {shape.params / 1e9:.3g}B parameters; {args.num_gpus} GPU(s) of "
              f"{args.gpu_memory_gb:g} GB ({gpus_per_node} per node)"
              + (f", {args.host_memory_gb:g} GB host RAM per node" if args.host_memory_gb else "")
              + (f"; micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.attn_implementation}"
                 if acts else "; activations not included (give --model_preset or --config_name)"),
-             "",
-             "| config | what | model states, bytes/param per GPU | model states per GPU | activations per GPU "
-             "(plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node | fits |",
-             "|---|---|---|---|---|---|---|---|"]
+             ""]
+    if acts:
+        full, chunk = (logits_bytes(shape, args.seq_len, args.micro_batch_size, c) for c in (False, True))
+        lines += [f"Logits (vocabulary {shape.vocab:,}) per micro-batch: {full / GB:.2f} GB in full, {chunk / GB:.3f} "
+                  f"GB with --chunked_cross_entropy; the table counts "
+                  f"{'one chunk' if args.chunked_cross_entropy else 'them in full'}.", ""]
+    lines += ["| config | what | model states, bytes/param per GPU | model states per GPU | activations per GPU "
+              "(plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node | fits |",
+              "|---|---|---|---|---|---|---|---|"]
     candidates = []  # (rank, option, needs checkpointing): offload is slower than recomputing activations
     for index, opt in enumerate(options(shape, args.num_gpus, gpus_per_node)):
         totals = [opt.states + a for a in acts] if acts else [opt.states, None]
@@ -241,11 +257,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab_size", type=int, help="Override the config's vocabulary size.")
     parser.add_argument("--num_gpus", type=int, default=1, help="GPUs in all.")
     parser.add_argument("--gpus_per_node", type=int, help="Default: num_gpus, at most 8.")
-    parser.add_argument("--gpu_memory_gb", type=float, default=80)
+    parser.add_argument("--gpu_memory_gb", type=float, default=80, help="Memory of one GPU.")
     parser.add_argument("--host_memory_gb", type=float, help="Host RAM per node; default: not checked.")
     parser.add_argument("--seq_len", type=int, default=2048, help="Tokens per sequence (--block_size).")
     parser.add_argument("--micro_batch_size", type=int, default=1, help="--per_device_train_batch_size.")
-    parser.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    parser.add_argument("--attn_implementation", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"),
+                        help="Attention kernel (eager stores the attention scores).")
+    parser.add_argument("--chunked_cross_entropy", action="store_true",
+                        help="Count one chunk of the logits, as the scripts' --chunked_cross_entropy keeps them.")
     peft = parser.add_argument_group("LoRA / QLoRA (adds a table: full fine-tuning vs LoRA vs QLoRA)")
     peft.add_argument("--use_peft", action="store_true", help="Also estimate LoRA and QLoRA fine-tuning.")
     peft.add_argument("--use_bnb_nested_quant", action="store_true", help="QLoRA's scales quantized too.")
