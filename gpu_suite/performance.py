@@ -20,10 +20,13 @@ MFU_GOAL = 0.5
 PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile",
                 "perf_bf16_compile_checkpointing": "bf16_compile_checkpointing", "perf_fp8_compile": "fp8_compile",
                 "perf_bf16_compile_8bit": "bf16_compile_8bit", "perf_plain_loop": "plain_pytorch",
+                "perf_bf16_compile_chunked": "bf16_compile_chunked",
                 "perf_mfu_goal": "bf16_compile"}
-# benchmark method -> (estimate_memory row flags, activation checkpointing); fp8 is estimated as bf16
-ESTIMATED_AS = {"bf16_compile": ("", False), "plain_pytorch": ("", False), "fp8_compile": ("", False),
-                "bf16_compile_checkpointing": ("", True), "bf16_compile_8bit": ("--optim adamw_8bit", False)}
+# benchmark method -> (estimate_memory row flags, activation checkpointing, chunked logits); fp8 is estimated as bf16
+ESTIMATED_AS = {"bf16_compile": ("", False, False), "plain_pytorch": ("", False, False),
+                "fp8_compile": ("", False, False), "bf16_compile_checkpointing": ("", True, False),
+                "bf16_compile_8bit": ("--optim adamw_8bit", False, False),
+                "bf16_compile_chunked": ("", False, True)}
 TECHNIQUES = {  # label -> (accelerate config, flags, activation checkpointing), as tools/estimate_memory.py rows
     "AdamW": ("single_gpu.yaml", "", False),
     "AdamW + checkpointing": ("single_gpu.yaml", "", True),
@@ -43,6 +46,7 @@ def perf_extra_methods(cuda: bool) -> dict[str, dict]:
     return {
         "bf16_compile_checkpointing": {"flags": half_compile + fused + ["--gradient_checkpointing"]},
         "bf16_compile_8bit": {"flags": half_compile + ["--optim", "adamw_8bit"]},
+        "bf16_compile_chunked": {"flags": half_compile + fused + ["--chunked_cross_entropy"]},
         "fp8_compile": {"flags": ["--torch_compile"] + fused, "launcher": fp8_launcher,
                         "skip": None if cuda else "FP8 needs an H100/H200"},
     }
@@ -59,11 +63,12 @@ def preset_shape(preset: str, vocab: int) -> estimate_memory.ModelShape:
 
 
 def estimate_bytes(preset: str, vocab: int, seq: int, batch: int, config: str, flags: str,
-                   checkpointing: bool) -> tuple[float, float]:
+                   checkpointing: bool, chunked: bool = False) -> tuple[float, float]:
     """tools/estimate_memory.py's (GPU bytes, host bytes) for one option on one GPU."""
     shape = preset_shape(preset, vocab)
     option = next(o for o in estimate_memory.options(shape, 1, 1) if (o.config, o.flags) == (config, flags))
-    return option.states + estimate_memory.activation_bytes(shape, seq, batch, checkpointing), option.host
+    activations = estimate_memory.activation_bytes(shape, seq, batch, checkpointing, chunked=chunked)
+    return option.states + activations, option.host
 
 
 def largest_fitting_presets(gpu_bytes: float, host_bytes: float, seq: int, batch: int,
@@ -150,9 +155,9 @@ def memory_figure(suite: Suite, method: str, row: dict, detail: dict) -> str:
            "GiB alloc/reserved"
     if method in ESTIMATED_AS:
         s = suite.settings
-        flags, checkpointing = ESTIMATED_AS[method]
+        flags, checkpointing, chunked = ESTIMATED_AS[method]
         estimate, _ = estimate_bytes(s.perf_preset, s.perf_vocab, s.perf_seq, s.perf_batch, "single_gpu.yaml", flags,
-                                     checkpointing)
+                                     checkpointing, chunked)
         detail["estimate_bytes"] = estimate
         text += f" vs estimate {estimate / 2**30:.1f} GiB ({row['peak_memory_bytes'] / estimate:.2f}x)"
     return text
@@ -187,6 +192,7 @@ def part2_rows() -> list[Row]:
         perf_row("perf_fp8_compile", "FP8 (torchao, fp8.yaml) + --torch_compile + fused AdamW", cuda_only=fp8,
                  needs=("torchao",)),
         perf_row("perf_bf16_compile_8bit", "bf16 + --torch_compile + 8-bit AdamW", needs=("bitsandbytes",)),
+        perf_row("perf_bf16_compile_chunked", "bf16 + --torch_compile + fused AdamW + --chunked_cross_entropy"),
         perf_row("perf_plain_loop", "benchmarks/plain_loop.py with the bf16_compile flags: our tokens/s over its"),
         Row("perf_mfu_goal", 2, f"MFU of bf16 + compile + fused AdamW >= {MFU_GOAL:.0%}", check_mfu_goal,
             cuda_only="MFU needs a GPU of known peak FLOP/s"),

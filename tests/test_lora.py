@@ -323,6 +323,21 @@ def test_qlora_trains_on_cpu(qlora_run):
     assert losses[6] < losses[1] and len(evals) == 3 and evals[-1] < evals[0]
 
 
+def test_qlora_with_chunked_cross_entropy_trains_the_same_adapter(qlora_run, data, tmp_path):
+    """The 8B recipe's flags: QLoRA with --chunked_cross_entropy (the head is not quantized, its loss chunked) ends at
+    the unchunked run's adapter and losses."""
+    out = tmp_path / "chunked"
+    run_script("finetune_causal_lm.py", *data_args(data, out), *LORA, *TRAINING, "--load_in_4bit",
+               "--use_bnb_nested_quant", "--chunked_cross_entropy")
+    adapter, reference = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (out, qlora_run["out"]))
+    assert adapter.keys() == reference.keys()
+    difference = max((adapter[k] - reference[k]).abs().max().item() for k in adapter)
+    losses, reference_losses = train_losses(str(out)), train_losses(qlora_run["out"])
+    print(f"QLoRA chunked vs unchunked: adapter max difference {difference:.1e}")
+    assert difference <= 1e-5
+    assert all(losses[s] == pytest.approx(reference_losses[s], rel=1e-5) for s in reference_losses)
+
+
 def test_bad_flags_are_one_line_before_any_work(data, tmp_path, capsys, monkeypatch):
     """In-process (they stop before an Accelerator exists): the flag checks, and target modules that match nothing
     (listing the model's linear module names), for both recipes."""
