@@ -65,8 +65,7 @@ def relative(a: dict, b: dict) -> dict[str, float]:
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_loss_and_gradients_equal_the_unchunked_ones(tie):
     """Loss and every gradient within 1e-6 of the unchunked fp32 model's and of the float64 model's (measured: chunked
-    4.8e-7 from float64, unchunked 5.5e-7). Micro-batches of 256-640 tokens: torch sizes chunks from the token count,
-    and chunks of 1-2 rows (a few dozen tokens here) round differently (1.2e-6 measured)."""
+    4.8e-7 from float64, unchunked 5.5e-7). Each micro-batch here is one chunk; the head test below runs 8 chunks."""
     plain, chunked = tiny_pair(tie)
     exact = copy.deepcopy(plain).double()
     batches = window()
@@ -86,8 +85,8 @@ def test_loss_and_gradients_equal_the_unchunked_ones(tie):
 
 
 def test_head_gradients_equal_the_unchunked_ones():
-    """The loss and its gradients for the head's input and weight, 8,192 tokens x vocabulary 32,000 in fp32, one in
-    seven labels ignored: within 1e-6 of the unchunked head's (the op the flag swaps in)."""
+    """The loss and its gradients for the head's input and weight, 8,192 tokens (8 chunks) x vocabulary 32,000 in fp32,
+    one in seven labels ignored: within 1e-6 of the unchunked head's (the op the flag swaps in)."""
     from common.chunked_loss import _head_forward
 
     generator = torch.Generator().manual_seed(0)

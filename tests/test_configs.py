@@ -309,13 +309,13 @@ def test_cli_bad_input_is_one_line():
 
 def test_chunked_cross_entropy_counts_one_chunk_of_the_logits(estimator):
     """1B preset, 8 x 2,048 tokens, vocabulary 128,256: the full logits (10 bytes per token per vocabulary entry) are
-    21 GB, one chunk (as large as the head's input) 0.34 GB; the rest of the activations is the same."""
+    21 GB, one chunk of 1,024 tokens 1.3 GB; the rest of the activations is the same."""
     args = estimator.parse_args(["--model_preset", "1b", "--vocab_size", "128256", "--micro_batch_size", "8"])
     shape = estimator.model_shape(args)
     full, chunk = (estimator.logits_bytes(shape, 2048, 8, chunked) for chunked in (False, True))
-    assert full == 2048 * 8 * 128256 * 10 and chunk == 2048 * 8 * 2048 * 10
+    assert full == 2048 * 8 * 128256 * 10 and chunk == 1024 * 128256 * 10
     plain, chunked = (estimator.activation_bytes(shape, 2048, 8, False, chunked=c) for c in (False, True))
     assert plain - chunked == pytest.approx(full - chunk)
     report = estimator.report(estimator.parse_args(["--model_preset", "1b", "--vocab_size", "128256",
                                                     "--micro_batch_size", "8", "--chunked_cross_entropy"]))
-    assert "21.01 GB in full, 0.336 GB with --chunked_cross_entropy; the table counts one chunk" in report
+    assert "21.01 GB in full, 1.313 GB with --chunked_cross_entropy; the table counts one chunk" in report

@@ -24,8 +24,7 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
   L·s·b·h·34. With --gradient_checkpointing only each layer's bf16 input stays (2·s·b·h·L) plus one layer's
   activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient);
-  with --chunked_cross_entropy only one chunk of them exists at a time, which torch sizes to the head's input (s·b·h
-  elements): s·b·h·10.
+  with --chunked_cross_entropy only one chunk of 1,024 tokens exists at a time: min(s·b, 1024)·V·10.
 - Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
   (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
 - LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from common.flags import ArgumentParser  # noqa: E402
+from common.chunked_loss import CHUNK_TOKENS  # noqa: E402
 from common.errors import fail  # noqa: E402
 from common.modeling import PRESETS  # noqa: E402
 
@@ -110,7 +110,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
 def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool) -> float:
     """The LM head's logits, their fp32 copy and gradient: all at once, or one chunk of them (see the docstring)."""
-    return seq * batch * (shape.hidden if chunked else shape.vocab) * 10
+    tokens = seq * batch
+    return (min(tokens, CHUNK_TOKENS) if chunked else tokens) * shape.vocab * 10
 
 
 def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True,
