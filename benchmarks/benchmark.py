@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
     parser.add_argument("--time_budget_s", type=float, help="Start no run after this many seconds; a run still going "
                         "then is stopped. Both are reported as failed. Default: no limit.")
-    parser.add_argument("--output_dir", default="outputs/benchmark")
+    parser.add_argument("--output_dir", default="outputs/benchmark",
+                        help="results.json, results.md, results.png and each run's log and metrics (runs/).")
     args = parser.parse_args(argv)
     args.script_args = script_args
 

@@ -11,8 +11,8 @@ from accelerate.utils import DistributedType, is_peft_model
 
 from common.adapters import adapter_state_dict, merge_adapter
 from common.guard import weights_are_finite
+from common.paths import MERGED_DIR
 
-MERGED_DIR = "merged"
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:

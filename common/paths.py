@@ -10,3 +10,4 @@ RUN_RECORD = "run.json"  # inside a checkpoint: what a resume of it must agree w
 TOKENIZER_DIR = "tokenizer"  # inside a checkpoint: the tokenizer it was trained with
 LOCK_FILE = ".lock"  # held by the live run that owns the folder
 LOGS_DIR = "logs"  # tracker logs (tensorboard, ...)
+MERGED_DIR = "merged"  # --merge_adapter: the adapter merged into a full-precision copy of the base

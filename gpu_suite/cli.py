@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--row_timeout_s", type=float, help="Per run (default 300 on a GPU, 900 on a CPU).")
     parser.add_argument("--prefork", choices=("auto", "yes", "no"), default="auto",
                         help="Fork runs from a server that imported the training stack once (auto: on CPUs only).")
-    parser.add_argument("--work_dir", default=os.path.join(ROOT, "outputs", "gpu-suite-work"))
+    parser.add_argument("--work_dir", default=os.path.join(ROOT, "outputs", "gpu-suite-work"),
+                        help="Scratch folder for the rows' runs, logs and data (each run's folder replaced).")
     parser.add_argument("--results_dir", help="Default: docs/results on a GPU, outputs/gpu-suite-dry-run in a dry run.")
     parser.add_argument("--copy_to", help="Also write the results here, with a tarball of the runs' logs (for a "
                         "machine whose output comes back from one folder).")

@@ -10,6 +10,8 @@ some code has put a tool's folder on sys.path, which hides what depends on what,
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {"pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py"}
 TOOL_PACKAGES = ("benchmarks", "tools", "gpu_suite")
@@ -100,3 +102,36 @@ def test_no_function_is_longer_than_a_screenful_or_two():
                 if lines > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}() {lines} lines")
     assert not too_long, f"split these up (at most {MAX_FUNCTION_LINES} lines each): {too_long}"
+
+
+COMMAND_LINES = ("scripts/pretrain_llama.py", "scripts/finetune_causal_lm.py", "scripts/finetune_classifier.py",
+                 "benchmarks/benchmark.py", "benchmarks/plain_loop.py", "benchmarks/profile_step.py",
+                 "tools/estimate_memory.py", "gpu_suite/cli.py")
+
+
+@pytest.mark.parametrize("path", COMMAND_LINES)
+def test_every_flag_has_a_help_line(path, monkeypatch):
+    """`--help` is what a newcomer meets first: every flag says what it does (argparse adds its default)."""
+    import argparse
+    import importlib.util
+    import sys
+
+    parsers = []
+
+    def record(self, *args, **kwargs):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record)
+    monkeypatch.syspath_prepend(str(ROOT))
+    spec = importlib.util.spec_from_file_location(f"cli_{Path(path).stem}", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    argv = ["--", str(ROOT / "scripts" / "pretrain_llama.py")] if path.endswith("profile_step.py") else []
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    with pytest.raises(SystemExit):
+        module.parse_args(argv) if argv else module.parse_args()
+    (parser,) = parsers
+    bare = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help in (None, "")]
+    assert not bare, f"{path}: flags without a help line: {bare}"
