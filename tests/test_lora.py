@@ -18,7 +18,6 @@ trained model's whole state dict (4-bit bytes and quantization scales included).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -31,6 +30,7 @@ import pytest
 import torch
 from conftest import ROOT, SCRIPTS, run_script, train_losses
 from safetensors.torch import load_file
+from test_finetune_causal_lm import load_script
 from test_finetune_classifier import classify, tiny  # noqa: F401 (tiny is a fixture)
 
 MERGE_TOL = 1e-5  # fp32 logits, merged vs base + adapter (measured ~2e-7)
@@ -55,13 +55,6 @@ def export_and_dump(accelerator, model, tokenizer, output_dir):
 recipe.export_model = export_and_dump
 recipe.main()
 """
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

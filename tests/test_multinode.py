@@ -44,7 +44,8 @@ from test_distributed import (  # noqa: F401 (init_model and reference are fixtu
     train_args,
 )
 from test_fsdp import GRAD_NORM_RTOL, compare_runs
-from test_preemption import TOL, alive, assert_same_checkpoint, kill_all, last_logged_step, trainer_pids
+from test_preemption import (TOL, alive, assert_same_checkpoint, command_lines_naming, kill_all, last_logged_step,
+                             trainer_pids)
 
 # Config file and the launch flags that make it fp32 (the files for GPUs say bf16).
 CONFIGS_UNDER_TEST = {"multi_node.yaml": ("--mixed_precision", "no"),
@@ -119,17 +120,8 @@ class TwoMachines:
 
 
 def processes_writing_to(out: str) -> list[int]:
-    """Every process whose command line names `out` (launchers and trainers of a run)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if out in argv and alive(int(pid)):
-            pids.append(int(pid))
-    return pids
+    """Every live process whose command line names `out` (launchers and trainers of a run)."""
+    return [pid for pid in command_lines_naming(out) if alive(pid)]
 
 
 def run_two_machines(config: str, args: list[str], out, launch_flags=()) -> TwoMachines:

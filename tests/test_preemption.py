@@ -92,18 +92,24 @@ def assert_same_run(out, reference) -> str:
 
 # ---- processes ------------------------------------------------------------------------------------------------------
 
-def trainer_pids(out) -> list[int]:
-    """The training processes of the run writing to `out` (not the launcher: its command line says `launch`)."""
-    pids = []
+def command_lines_naming(out) -> dict[int, list[str]]:
+    """pid -> command line of every process whose command line has `out` as one of its arguments."""
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if str(out) in argv and "launch" not in argv and any(a.endswith(".py") for a in argv):
-            pids.append(int(pid))
-    return pids
+        if str(out) in argv:
+            found[int(pid)] = argv
+    return found
+
+
+def trainer_pids(out) -> list[int]:
+    """The training processes of the run writing to `out` (not the launcher: its command line says `launch`)."""
+    return [pid for pid, argv in command_lines_naming(out).items()
+            if "launch" not in argv and any(a.endswith(".py") for a in argv)]
 
 
 def alive(pid: int) -> bool:
