@@ -13,7 +13,6 @@ explicit path stop with one line naming the file.
 
 from __future__ import annotations
 
-import errno
 import glob
 import json
 import logging
@@ -25,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, is_peft_model
 
+from common.disk import disk_full_message, disk_refuses_writes
 from common.errors import fail, fail_on_every_rank
 from common.guard import weights_are_finite
 from common.integrity import record_files, verify
@@ -34,9 +34,6 @@ from common.run_record import RunRecord, check_run_record
 from common.steps import TrainingProgress
 
 logger = get_logger(__name__)
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
 def is_checkpoint(path: str) -> bool:
     """A folder written by `save_checkpoint` (or by accelerate's `save_state`, which leaves per-process RNG files)."""
     return any(os.path.isfile(os.path.join(path, name)) for name in (COMPLETE_MARKER, RUN_RECORD)) or \
@@ -99,7 +96,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
         if not disk_refuses_writes(exc, partial):
             raise
         shutil.rmtree(partial, ignore_errors=True)
-        fail(disk_full_message(output_dir, step))
+        fail(disk_full_message(output_dir, step, complete_checkpoints(output_dir)))
     accelerator.wait_for_everyone()  # every rank has written its part
     if accelerator.is_main_process:
         run.write(partial)
@@ -214,46 +211,6 @@ def warn(accelerator: Accelerator | None, line: str) -> None:
     """One warning line, from the main process."""
     if accelerator is None or accelerator.is_main_process:
         logging.getLogger(__name__).warning(line)
-
-
-def disk_refuses_writes(exc: BaseException, folder: str) -> bool:
-    """Did a save fail because the disk is full (or the quota or file-size limit reached)?
-
-    safetensors and Python report the errno; torch.save does not ("unexpected pos ..."), so the disk is also asked
-    directly with a small write next to the partial save.
-    """
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    probe = os.path.join(folder, f"{LEFTOVER_PREFIX}probe")
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(2**20))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as probe_error:
-        return probe_error.errno in DISK_FULL_ERRNOS
-    finally:
-        if os.path.exists(probe):
-            os.remove(probe)
-    return False
-
-
-def disk_full_message(output_dir: str, step: int) -> str:
-    previous = complete_checkpoints(output_dir)
-    free_mib = shutil.disk_usage(output_dir).free / 2**20
-    return (f"disk full: checkpoint step_{step} could not be written to {os.path.join(output_dir, CHECKPOINT_DIR)} "
-            f"(filesystem {mount_point(output_dir)}, {free_mib:.0f} MiB free after removing the partial save); "
-            f"{previous[-1] + ' is intact' if previous else 'there is no earlier checkpoint'}: free some space, then "
-            "rerun with --resume_from_checkpoint auto")
-
-
-def mount_point(path: str) -> str:
-    path = os.path.realpath(path)
-    while not os.path.ismount(path):
-        path = os.path.dirname(path)
-    return path
 
 
 def count_rows(path: str) -> int:

@@ -1,0 +1,52 @@
+"""A full disk: telling it from other write errors, and the one line that says so (where, how much is free, which
+checkpoint is intact, how to continue)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_refuses_writes(exc: BaseException, folder: str) -> bool:
+    """Did a save fail because the disk is full (or the quota or file-size limit reached)?
+
+    safetensors and Python report the errno; torch.save does not ("unexpected pos ..."), so the disk is also asked
+    directly with a small write next to the partial save.
+    """
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    probe = os.path.join(folder, f"{LEFTOVER_PREFIX}probe")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(2**20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        return probe_error.errno in DISK_FULL_ERRNOS
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return False
+
+
+def disk_full_message(output_dir: str, step: int, previous: list[str]) -> str:
+    """The one line a save that found the disk full ends the run with (`previous`: the complete checkpoints)."""
+    free_mib = shutil.disk_usage(output_dir).free / 2**20
+    return (f"disk full: checkpoint step_{step} could not be written to {os.path.join(output_dir, CHECKPOINT_DIR)} "
+            f"(filesystem {mount_point(output_dir)}, {free_mib:.0f} MiB free after removing the partial save); "
+            f"{previous[-1] + ' is intact' if previous else 'there is no earlier checkpoint'}: free some space, then "
+            "rerun with --resume_from_checkpoint auto")
+
+
+def mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
