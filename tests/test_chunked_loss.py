@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import launcher, run_script
+from conftest import copy_checkpoints, launcher, run_script
 from test_distributed import assert_same_training, init_model, train_args  # noqa: F401  (fixture)
 from test_finetune_causal_lm import finetune, max_difference, sft, weights  # noqa: F401  (fixture)
 from test_fsdp import fsdp_launcher
@@ -180,3 +180,17 @@ def test_mixture_of_experts_is_refused_in_one_line(tmp_path):
     assert errors == ["error: --chunked_cross_entropy does not add a mixture of experts' load-balancing loss: leave "
                       "it off for mixtral with output_router_logits"], proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_that_turns_chunking_on_continues_the_run(corpus, init_model, reference, tmp_path):  # noqa: F811
+    """The flag changes how the loss is computed, not what it is: a run checkpointed at step 2 without it and resumed
+    with it ends at the uninterrupted unchunked run's losses and weights (so a resume may toggle it)."""
+    first = tmp_path / "first"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, first, 4, "--checkpointing_steps", "2"),
+               launcher=launcher("cpu_1proc.yaml", 1))  # the same 4-step schedule; its step-2 state is resumed
+    resumed = tmp_path / "resumed"
+    copy_checkpoints(first, resumed, 2)
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, resumed, 4, "--chunked_cross_entropy",
+                                                "--resume_from_checkpoint", "latest"),
+               launcher=launcher("cpu_1proc.yaml", 1))
+    print(f"unchunked to step 2, chunked from there: {assert_same_training(resumed, reference, steps=(3, 4))}")
