@@ -34,6 +34,8 @@ from common.run_record import RunRecord, check_run_record
 from common.steps import TrainingProgress
 
 logger = get_logger(__name__)
+
+
 def is_checkpoint(path: str) -> bool:
     """A folder written by `save_checkpoint` (or by accelerate's `save_state`, which leaves per-process RNG files)."""
     return any(os.path.isfile(os.path.join(path, name)) for name in (COMPLETE_MARKER, RUN_RECORD)) or \

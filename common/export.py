@@ -14,7 +14,6 @@ from common.guard import weights_are_finite
 from common.paths import MERGED_DIR
 
 
-
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
     """Write the model and tokenizer to `output_dir`; False (nothing written, the reason printed) when a weight is not
     finite.
