@@ -7,7 +7,8 @@
 The recipe runs as usual; the profiler records from the end of optimizer step `--step` - 1 to the end of step
 `--step` (the loop's logging call marks each step's end, so the step includes its own logging and checkpoint work).
 Prints the `--top` operators by self CPU time, then the Python calls by total time (what the loop's own helpers cost
-beside the model's forward and backward and the optimizer); on a GPU also the operators by CUDA time. With --output_trace the step is also written as a Chrome trace (open in chrome://tracing or Perfetto).
+beside the model's forward and backward and the optimizer); on a GPU also the operators by CUDA time. With
+--output_trace the step is also written as a Chrome trace (open in chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    # the step's one read to the host: loss, gradient norm, any rank's stop signal; same verdict everywhere
+                    # the step's one read to the host: loss, grad norm, any rank's stop signal; one verdict everywhere
                     checked = guard.check(window_loss, grad_norm, stop_signalled())
                     if checked.verdict is Verdict.APPLY:
                         optimizer.step()
