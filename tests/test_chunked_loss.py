@@ -3,9 +3,10 @@ give the unchunked model's loss and gradients, and the same training under every
 
 In-process, fp32: loss within 1e-6 relative and every gradient within 1e-6 (relative Frobenius norm) of the float64
 model's, as the unchunked model's are, for padded label rows, an accumulation window of two micro-batches sharing one
-token count, and tied embeddings; logits without labels are unchanged. Through the script: one process unchunked is the reference; chunked
-runs on 1 process (gradient checkpointing), 2 processes (DDP), ZeRO-3 and FSDP2 reproduce its losses and weights to
-tests/test_distributed.py's tolerances; `--torch_compile` trains; SFT (packed) matches its unchunked run.
+token count, and tied embeddings; logits without labels are unchanged. Through the script: one process unchunked is
+the reference; chunked runs on 1 process (gradient checkpointing), 2 processes (DDP), ZeRO-3 and FSDP2 reproduce its
+losses and weights to tests/test_distributed.py's tolerances; `--torch_compile` trains; SFT (packed) matches its
+unchunked run; a resume may turn the flag on.
 """
 
 from __future__ import annotations
