@@ -7,8 +7,8 @@ Per optimizer step it does what a reader writes in ten lines: forward, `loss.bac
 `scheduler.step()`, `zero_grad()` (under autocast and a GradScaler when --bf16/--fp16 ask for it). No clipping
 (`--max_grad_norm` is ignored: compare with the recipe's `--max_grad_norm 0` for the same work), no divergence
 guard, no stop signals, and nothing read from the device between `--logging_steps` rows. It shares the inputs of
-scripts/pretrain_llama.py: the same flags, data pipeline, tokenizer, blocks, shuffle and batch (common/data.py), the
-same model and initialisation (common/modeling.py), optimizer and schedule (common/optim.py). One process only; no
+scripts/pretrain_llama.py: the same flags, data pipeline, tokenizer, blocks, shuffle and batch (common/inputs/data.py), the
+same model and initialisation (common/inputs/modeling.py), optimizer and schedule (common/optim.py). One process only; no
 evaluation, checkpoints or export. A row's loss is the step's last micro-batch's; with fixed-length blocks and
 without clipping its losses equal the pretraining script's.
 """
@@ -27,15 +27,15 @@ from accelerate import PartialState
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import default_data_collator, get_scheduler, set_seed
 
-from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.errors import fail
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
                             write_all_results)
-from common.modeling import PRESETS, build_causal_lm, check_block_size, count_parameters, load_config
+from common.inputs.modeling import PRESETS, build_causal_lm, check_block_size, count_parameters, load_config
 from common.optim import create_optimizer
 from common.runtime import use_all_cores
-from common.validation import check_common_flags
+from common.flags import check_common_flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +70,7 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     ga = args.gradient_accumulation_steps
 
-    # common/data.py logs through accelerate and orders processes with `main_process_first()`: it gets the
+    # common/inputs/data.py logs through accelerate and orders processes with `main_process_first()`: it gets the
     # single-process state, nothing else here uses accelerate.
     state = PartialState()
     raw = load_raw_datasets(args)

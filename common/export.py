@@ -1,17 +1,13 @@
 """The Hugging Face export: a `from_pretrained`-loadable folder (safetensors, config, generation config, tokenizer)
-from the prepared model, under every engine; for a LoRA run the adapter in peft's format, and optionally the adapter
-merged into its base."""
+from the prepared model, under every engine (a LoRA run's adapter: common/features/lora.py)."""
 
 from __future__ import annotations
 
-import os
-
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, is_peft_model
+from accelerate.utils import DistributedType
 
-from common.adapters import adapter_state_dict, merge_adapter
 from common.guard import weights_are_finite
-from common.paths import MERGED_DIR
+from common.upstream import keep_used_weight_conversions
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
@@ -26,13 +22,6 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
         return False
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if is_peft_model(unwrapped):  # adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained
-        state_dict = adapter_state_dict(accelerator, model)
-        if accelerator.is_main_process:
-            unwrapped.save_pretrained(output_dir, state_dict=state_dict)
-            tokenizer.save_pretrained(output_dir)
-        accelerator.wait_for_everyone()
-        return True
     use_tokenizer_special_tokens(unwrapped, tokenizer)
     # Sharded models need the collective gather; elsewhere the unwrapped module's own state dict is complete
     # (`get_state_dict` would keep the compiled wrapper's `_orig_mod.` prefix).
@@ -45,31 +34,6 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return True
-
-
-def export_merged_model(accelerator: Accelerator, tokenizer, output_dir: str, model_class, base_path: str,
-                        **load_kwargs) -> None:
-    """--merge_adapter: the adapter exported in `output_dir` merged into a full-precision copy of the base (see
-    common/adapters.py), written to `output_dir/merged`, loadable with the model class alone. The main process does
-    it; the others wait."""
-    if accelerator.is_main_process:
-        merged = merge_adapter(model_class, base_path, output_dir, **load_kwargs)
-        use_tokenizer_special_tokens(merged, tokenizer)
-        merged.save_pretrained(os.path.join(output_dir, MERGED_DIR), safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(output_dir, MERGED_DIR))
-    accelerator.wait_for_everyone()
-
-
-def keep_used_weight_conversions(model) -> None:
-    """Let `save_pretrained` undo only the key conversions that loading the model applied.
-
-    transformers (5.23) reverts a model's recorded key conversions when saving. Its ZeRO-3 loading path records every
-    conversion known for the model type, used or not (the other path keeps the used ones), so a ZeRO-3 export of BERT
-    had the legacy names `LayerNorm.gamma/beta` instead of the checkpoint's `LayerNorm.weight/bias`.
-    """
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions:
-        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
 
 
 def use_tokenizer_special_tokens(model, tokenizer) -> None:

@@ -1,13 +1,21 @@
-"""The command-line flags the scripts share (Hugging Face `TrainingArguments` names), in argument groups; every flag
-has a one-line help, and `--help` shows its default. Each script adds its own group; the checks are in
-`common/validation.py`."""
+"""The command-line flags the scripts share (Hugging Face `TrainingArguments` names), in argument groups, and their
+checks: every flag has a one-line help, `--help` shows its default, and a bad value stops the run with one line,
+`error: ...`, and exit status 2, before anything expensive (tokenizer training, dataset loading, model building).
+Each script adds its own group. The checks only check: nothing here changes `args` or the environment; hub ids are
+not checked here (they fail at load time with the hub's message)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+import torch
+
+from common.errors import fail, missing_local_path
+from common.paths import METRICS_FILE
+
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
+DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
 
 
@@ -21,7 +29,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = (), lm_head: bool = True) -> None:
+def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = ()) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model_name_or_path", help="Pretrained checkpoint (local folder or hub id) to start from.")
     g.add_argument("--config_name", help="Model config (path or hub id) to build a model from scratch.")
@@ -33,9 +41,6 @@ def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = (
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="Recompute activations in the backward pass (non-reentrant): less memory, ~30%% more compute.")
     g.add_argument("--torch_compile", action="store_true", help="torch.compile the model (inductor).")
-    if lm_head:  # causal LMs: their vocabulary-sized logits are the largest activation
-        g.add_argument("--chunked_cross_entropy", action="store_true",
-                       help="LM head and loss over chunks of tokens: the full logits are never materialised.")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -111,26 +116,120 @@ def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
 
 
-# The LoRA settings a checkpoint was trained with: a resume must keep them (common/run_record.py).
-ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
-                 "bnb_4bit_quant_type", "use_bnb_nested_quant")
+def data_format(path: str) -> str:
+    """The `datasets` builder that reads a data file (json for both .json and .jsonl)."""
+    return DATA_EXTENSIONS[os.path.splitext(path)[1].lower()]
 
 
-def add_peft_args(parser: argparse.ArgumentParser) -> None:
-    """LoRA / QLoRA with peft (TRL's flag names), for both fine-tuning scripts; see common/adapters.py."""
-    g = parser.add_argument_group("LoRA / QLoRA (peft)")
-    g.add_argument("--use_peft", action="store_true",
-                   help="Train a LoRA adapter on the frozen base model instead of all its weights.")
-    g.add_argument("--lora_r", type=int, default=16, help="LoRA rank.")
-    g.add_argument("--lora_alpha", type=int, default=32, help="LoRA scale numerator: the update is scaled by alpha/r.")
-    g.add_argument("--lora_dropout", type=float, default=0.05, help="Dropout on the adapter's input.")
-    g.add_argument("--lora_target_modules", nargs="+", default=["all-linear"],
-                   help="Names of the modules to adapt (a name matches a full module path or its end); all-linear: "
-                        "every linear layer but the output head.")
-    g.add_argument("--load_in_4bit", action="store_true",
-                   help="QLoRA: the frozen base quantized to 4 bits (bitsandbytes); needs --use_peft.")
-    g.add_argument("--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"), help="The 4-bit data type.")
-    g.add_argument("--use_bnb_nested_quant", action="store_true",
-                   help="Quantize the 4-bit blocks' scales too (double quantization: ~0.4 bit per weight less).")
-    g.add_argument("--merge_adapter", action="store_true",
-                   help="Also write output_dir/merged: the adapter merged into a full-precision copy of the base.")
+def check_common_flags(args: argparse.Namespace) -> None:
+    """The flags of common/flags.py's model, data and training groups; hub ids are not checked here (they fail at
+    load time with the hub's message)."""
+    check_data_files(args.train_file, args.validation_file)
+    for name in ("model_name_or_path", "config_name", "tokenizer_name"):
+        value = getattr(args, name, None)
+        if value and missing_local_path(value):  # else transformers takes it for a hub id with a confusing message
+            fail(f"--{name} {value}: no such folder")
+    if args.dataset_name and args.train_file:
+        fail("give either --dataset_name or --train_file, not both")
+    if not 0 <= args.validation_split_percentage < 100:  # 100 would leave nothing to train on
+        fail(f"--validation_split_percentage must be between 0 and 99 (got {args.validation_split_percentage})")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "logging_steps", "max_nonfinite_steps"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    for name in ("eval_steps", "checkpointing_steps", "save_total_limit", "max_train_samples", "max_eval_samples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name} must be >= 1 (got {value})")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        fail(f"--warmup_steps must be >= 0 (got {args.warmup_steps})")
+    if args.ddp_timeout <= 0:
+        fail(f"--ddp_timeout must be > 0 seconds (got {args.ddp_timeout})")
+    if args.learning_rate <= 0:
+        fail(f"--learning_rate must be > 0 (got {args.learning_rate})")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        fail("set --max_steps > 0 or --num_train_epochs > 0")
+    if args.warmup_steps is not None and args.max_steps > 0:  # with epochs: once the data is counted (common/optim.py)
+        check_warmup(args.warmup_steps, args.max_steps, "--max_steps ")
+    check_output_dir(args)
+    check_precision(args)
+    if args.report_to not in ("none", "all"):
+        from accelerate.utils import is_tensorboard_available, is_trackio_available, is_wandb_available
+
+        available = {"tensorboard": is_tensorboard_available, "trackio": is_trackio_available,
+                     "wandb": is_wandb_available}[args.report_to]()
+        if not available:
+            fail(f"--report_to {args.report_to}: the package is not installed (pip install {args.report_to})")
+
+
+def check_data_files(train_file: str | None, validation_file: str | None) -> None:
+    for flag, path in (("--train_file", train_file), ("--validation_file", validation_file)):
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            fail(f"{flag} {path}: is a folder; pass a file (for a folder of files use --dataset_name {path})")
+        if not os.path.isfile(path):
+            fail(f"{flag} {path}: no such file")
+        if os.path.splitext(path)[1].lower() not in DATA_EXTENSIONS:
+            fail(f"{flag} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
+        if os.path.getsize(path) == 0:
+            fail(f"{flag} {path}: the file is empty")
+    if validation_file and not train_file:
+        fail("--validation_file needs --train_file")
+    if validation_file and data_format(train_file) != data_format(validation_file):
+        fail(f"--train_file {train_file} and --validation_file {validation_file} must have the same format "
+             f"({data_format(train_file)} vs {data_format(validation_file)})")
+
+
+def check_output_dir(args: argparse.Namespace) -> None:
+    """--output_dir is writable, and a used one is continued or overwritten on purpose, never both."""
+    resume_value = args.resume_from_checkpoint
+    if resume_value and resume_value not in ("latest", "auto") and not os.path.isdir(resume_value):
+        fail(f"--resume_from_checkpoint {resume_value}: no such folder")
+    if args.overwrite_output_dir and resume_value and (resume_value in ("latest", "auto") or os.path.commonpath(
+            [os.path.abspath(resume_value), os.path.abspath(args.output_dir)]) == os.path.abspath(args.output_dir)):
+        fail(f"--overwrite_output_dir removes the previous run's checkpoints; it cannot be combined with "
+             f"--resume_from_checkpoint {resume_value}")
+    used = os.path.isfile(os.path.join(args.output_dir, METRICS_FILE))
+    if used and not resume_value and not args.overwrite_output_dir:
+        fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"
+             " it or --overwrite_output_dir to start over")
+    check_writable_folder(args.output_dir, "--output_dir")
+
+
+def check_precision(args: argparse.Namespace) -> None:
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        fail("fp16 mixed precision needs a CUDA GPU (fp16 loss scaling is not supported on CPU); use --bf16")
+    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("this GPU does not support bf16; use --fp16")
+    if args.tf32 and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8):
+        fail("--tf32 needs an NVIDIA GPU of the Ampere generation or newer")
+
+
+def check_writable_folder(path: str, flag: str) -> None:
+    """The folder, or the nearest existing folder above it, must be writable (checked without creating anything)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
+
+
+def check_finetuning_flags(args: argparse.Namespace) -> None:
+    """Fine-tuning starts from pretrained weights; the shared and the fine-tuning flags."""
+    check_common_flags(args)
+    if not args.model_name_or_path:
+        fail("fine-tuning needs --model_name_or_path (a local folder or a hub id)")
+    if args.config_name:
+        fail("--config_name builds a model from scratch; fine-tuning loads --model_name_or_path")
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
+    if args.freeze_layers < 0:
+        fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
+
+
+def check_warmup(warmup_steps: int, total_steps: int, what: str = "") -> None:
+    """The warmup must end within the run: before any work against --max_steps, else once the data is counted."""
+    if warmup_steps > total_steps:
+        fail(f"--warmup_steps {warmup_steps} is more than the run's {what}{total_steps}{'' if what else ' optimizer steps'}"
+             ": the learning rate would never reach --learning_rate")

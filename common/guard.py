@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 DIVERGED_STATUS = 3  # the run diverged: too many non-finite steps in a row, or non-finite weights about to be saved
+STOPPED_STATUS = 143  # 128 + SIGTERM: a stop was requested (common/features/preemption.py); a checkpoint was saved
 
 
 class Verdict(enum.Enum):
@@ -61,17 +63,19 @@ class NonFiniteGuard:
         self.accelerator, self.progress, self.max_consecutive = accelerator, progress, max_consecutive
         self.loss_scaling = accelerator.mixed_precision == "fp16"
         self.consecutive = 0
+        self.last: StepCheck | None = None  # the check of the step in progress, until `step_check` takes it
+        # Whether this process was asked to stop (set by common/features/preemption.py); shared with every rank below.
+        self.stop_signalled: Callable[[], bool] = lambda: False
 
-    def check(self, window_loss: torch.Tensor, grad_norm, stop_signalled: bool = False) -> StepCheck:
+    def check(self, window_loss: torch.Tensor, grad_norm) -> StepCheck:
         """`window_loss`: this process's share of the step's loss (the shares of all processes sum to it);
-        `grad_norm`: what `accelerator.clip_grad_norm_` returned (None when the engine does not report it);
-        `stop_signalled`: whether this process has received a stop signal (`common/preemption.stop_signalled`).
+        `grad_norm`: what `accelerator.clip_grad_norm_` returned (None when the engine does not report it).
 
         Collective: every rank calls it once per optimizer step, before `optimizer.step()`.
         """
         loss = window_loss.detach().float()
         # full_like: a fill on the device, no host-to-device copy (which would wait for the device's queue too)
-        loss_and_stops = self.accelerator.reduce(torch.stack([loss, torch.full_like(loss, float(stop_signalled))]),
+        loss_and_stops = self.accelerator.reduce(torch.stack([loss, torch.full_like(loss, float(self.stop_signalled()))]),
                                                  "sum")
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, replicated on every rank
             grad_norm = grad_norm.full_tensor()
@@ -80,7 +84,16 @@ class NonFiniteGuard:
             loss_sum, stops, norm = torch.cat([loss_and_stops, grad_norm]).tolist()
         else:
             (loss_sum, stops), norm = loss_and_stops.tolist(), None if grad_norm is None else float(grad_norm)
-        return StepCheck(loss_sum, norm, self._verdict(loss_sum, norm), stop_requested=stops > 0)
+        self.last = StepCheck(loss_sum, norm, self._verdict(loss_sum, norm), stop_requested=stops > 0)
+        return self.last
+
+    def step_check(self) -> StepCheck:
+        """After a window's micro-batches: the check `check` made at its last one (an error if it made none: a window
+        always ends on the micro-batch that synchronises the gradients, common/steps.py)."""
+        checked, self.last = self.last, None
+        if checked is None:
+            raise RuntimeError(f"optimizer step {self.progress.step} ended without synchronising its gradients")
+        return checked
 
     def _verdict(self, loss: float, norm: float | None) -> Verdict:
         if math.isfinite(loss) and (norm is None or math.isfinite(norm)):

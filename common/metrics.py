@@ -15,8 +15,7 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from common.checkpoint import metrics_rows_at
-from common.paths import LEFTOVER_PREFIX, METRICS_FILE, RESULTS_FILE
+from common.paths import CHECKPOINT_DIR, COMPLETE_MARKER, LEFTOVER_PREFIX, METRICS_FILE, RESULTS_FILE
 
 logger = get_logger(__name__)
 
@@ -145,6 +144,7 @@ class StepLog:
                  logging_steps: int, flops_per_token: float | None = None) -> None:
         self.accelerator, self.total_steps, self.steps_per_epoch = accelerator, total_steps, steps_per_epoch
         self.logging_steps, self.flops_per_token = logging_steps, flops_per_token
+        self.output_dir = output_dir
         self.writer = MetricsWriter(output_dir, accelerator.is_main_process, start_step)
         self.throughput = Throughput()
         self.untimed = self.throughput.untimed
@@ -212,3 +212,29 @@ class StepLog:
 
     def close(self) -> None:
         self.bar.close()
+
+    def write_results(self, results: dict) -> None:
+        """The run's final figures to all_results.json (main process), with the last row's loss, the process count
+        and the peak memory."""
+        if self.accelerator.is_main_process:
+            write_all_results(self.output_dir, {**results, "train_loss": self.last_row.get("loss"),
+                                                "num_processes": self.accelerator.num_processes,
+                                                "peak_memory_bytes": peak_memory_bytes()})
+            logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {self.output_dir}")
+
+
+def metrics_rows_at(output_dir: str, step: int) -> int | None:
+    """How many metrics.jsonl rows had been written when checkpoint step_N was saved (None: unknown)."""
+    marker = os.path.join(output_dir, CHECKPOINT_DIR, f"step_{step}", COMPLETE_MARKER)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker, encoding="utf-8") as f:
+        return json.load(f).get("metrics_rows")
+
+
+def count_rows(path: str) -> int:
+    """Complete lines in a text file (0 when it does not exist)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(line.endswith("\n") for line in f)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from common.errors import fail
+from common.flags import check_warmup
+from common.upstream import prepared_optimizers_and_schedulers, set_last_lr
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -60,9 +61,7 @@ def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, a
     from transformers import get_scheduler
 
     warmup = args.warmup_steps if args.warmup_steps is not None else int(0.05 * total_steps)
-    if warmup > total_steps:
-        fail(f"--warmup_steps {warmup} is more than the run's {total_steps} optimizer steps: the learning rate would "
-             "never reach --learning_rate")
+    check_warmup(warmup, total_steps)
     plugin = accelerator.state.deepspeed_plugin
     ds_config = plugin.deepspeed_config if plugin is not None else {}
     if "optimizer" in ds_config:
@@ -101,8 +100,7 @@ def keep_this_runs_hyperparameters(accelerator):
     run's schedule at the checkpoint's step: the schedule's shape (type, warmup, length) is always this run's, since
     a checkpoint does not hold it. Unchanged flags give the same values, bit for bit.
     """
-    optimizers = [getattr(o, "optimizer", o) for o in accelerator._optimizers]
-    schedulers = [getattr(s, "scheduler", s) for s in accelerator._schedulers]
+    optimizers, schedulers = prepared_optimizers_and_schedulers(accelerator)
     settings = [[{k: group[k] for k in FLAG_SETTINGS if k in group} for group in o.param_groups] for o in optimizers]
     clipping = [getattr(o, "clip_grad", None) for o in optimizers]  # DeepSpeed ZeRO-1/2 restore it
     peaks = [list(s.base_lrs) if isinstance(s, LambdaLR) else None for s in schedulers]
@@ -118,4 +116,4 @@ def keep_this_runs_hyperparameters(accelerator):
             lrs = [base * lmbda(scheduler.last_epoch) for lmbda, base in zip(scheduler.lr_lambdas, peak)]
             for group, lr in zip(scheduler.optimizer.param_groups, lrs):
                 group["lr"] = lr
-            scheduler._last_lr = lrs
+            set_last_lr(scheduler, lrs)

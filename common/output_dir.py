@@ -1,65 +1,35 @@
-"""One run per output folder: a lock held for the run's life, `--overwrite_output_dir` removing the previous run, and
-the leftovers of interrupted saves cleaned up, all before any expensive work."""
+"""The output folder: `--overwrite_output_dir` removing the previous run, the leftovers of interrupted saves cleaned
+up, and removals that a kill midway never leaves half done."""
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import glob
 import os
-import socket
-from typing import IO
+import shutil
 
 from accelerate import Accelerator
 
-from common.checkpoint import discard, remove_leftovers
-from common.errors import fail
-from common.paths import CHECKPOINT_DIR, LOCK_FILE, LOGS_DIR, METRICS_FILE, RESULTS_FILE
+from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX, LOGS_DIR, METRICS_FILE, RESULTS_FILE
 
 # What a run writes into --output_dir (`--overwrite_output_dir` removes these; other files are left alone): its
 # checkpoints, logs and metrics, and the exported model and tokenizer.
 RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, "config.json", "generation_config.json",
                "*.safetensors", "*.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
                "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt")
-_held_locks: dict[str, IO] = {}  # open for the process's life: the kernel drops the lock when the process dies
 
 
-def claim_output_dir(args: argparse.Namespace, accelerator: Accelerator) -> None:
-    """Make --output_dir this run's own: refuse a folder a live run holds; with --overwrite_output_dir remove the
-    previous run's outputs (checkpoints first, so `latest` can never resume it); remove leftovers of interrupted saves.
+def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite_output_dir: bool) -> None:
+    """Make --output_dir this run's own: with --overwrite_output_dir remove the previous run's outputs (checkpoints
+    first, so `latest` can never resume it); remove leftovers of interrupted saves.
 
     Every process calls it; the main process does the work while the others wait.
     """
-    os.makedirs(args.output_dir, exist_ok=True)
+    os.makedirs(output_dir, exist_ok=True)
     if accelerator.is_main_process:
-        lock_output_dir(args.output_dir)
-        if args.overwrite_output_dir:
-            remove_previous_run(args.output_dir)
-        remove_leftovers(args.output_dir)
+        if overwrite_output_dir:
+            remove_previous_run(output_dir)
+        remove_leftovers(output_dir)
     accelerator.wait_for_everyone()
-
-
-def lock_output_dir(output_dir: str) -> None:
-    """Hold an exclusive `flock` on <output_dir>/.lock until this process ends (also by SIGKILL or a crash: the kernel
-    releases it, so no stale lock is ever left). On NFS, Linux maps flock to POSIX locks across nodes; Lustre needs
-    the `flock` mount option."""
-    key = os.path.realpath(output_dir)
-    if key in _held_locks:  # this process already holds it (e.g. another --auto_find_batch_size attempt)
-        return
-    lock = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        fail(f"--output_dir {output_dir} is in use by a live run ({holder}); wait for it to end or choose another "
-             "--output_dir")
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    _held_locks[key] = lock
 
 
 def remove_previous_run(output_dir: str) -> None:
@@ -68,3 +38,29 @@ def remove_previous_run(output_dir: str) -> None:
     for pattern in RUN_OUTPUTS:
         for path in glob.glob(os.path.join(glob.escape(output_dir), pattern)):
             discard(path) if os.path.isdir(path) else os.remove(path)
+
+
+def discard(path: str) -> None:
+    """Remove a folder so that a kill midway never leaves it half-deleted under its own name."""
+    aside = os.path.join(os.path.dirname(path), f"{LEFTOVER_PREFIX}discarded-{os.path.basename(path)}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_leftovers(output_dir: str) -> None:
+    """Delete what interrupted saves, prunes, overwrites and metrics trims left (`.tmp-*`); main process, under the
+    output folder's lock (no live run is writing them)."""
+    for folder in (output_dir, os.path.join(output_dir, CHECKPOINT_DIR)):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if name.startswith(LEFTOVER_PREFIX):
+                leftover = os.path.join(folder, name)
+                shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import logging
 import os
 import warnings
 from datetime import timedelta
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (
     DataLoaderConfiguration,
-    DistributedType,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
@@ -23,9 +22,8 @@ from accelerate.utils import (
     set_seed,
 )
 
-from common.deepspeed_check import check_deepspeed_config
 from common.errors import fail, fail_on_every_rank
-from common.preemption import stop_when_launcher_dies
+from common.upstream import use_fsdp_everywhere
 
 logger = get_logger(__name__)
 
@@ -38,9 +36,7 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
     - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
     """
-    ds_config = check_deepspeed_config(args)  # a DeepSpeed JSON contradicting the flags: one line, before any work
-    clip_in_deepspeed_as_flagged(ds_config, args.max_grad_norm)
-    stop_when_launcher_dies()  # a launcher killed alone must not leave this process training, orphaned
+    clip_in_deepspeed_as_flagged(args.max_grad_norm)
     extra, backend = {}, None
     fsdp_on_cpu = False
     if not torch.cuda.is_available():
@@ -88,10 +84,18 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     return accelerator
 
 
-def clip_in_deepspeed_as_flagged(ds_config: dict | None, max_grad_norm: float) -> None:
+def clip_in_deepspeed_as_flagged(max_grad_norm: float) -> None:
     """accelerate fills a DeepSpeed JSON's "auto" gradient_clipping with 1.0 whatever the script says; its launcher's
     own variable carries --max_grad_norm instead (0 disables clipping, as without DeepSpeed)."""
-    if ds_config and ds_config.get("gradient_clipping") == "auto":
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            ds_config = json.load(f)
+    except (OSError, ValueError):
+        return  # DeepSpeed itself reports it (common/features/deepspeed_check.py does, in one line)
+    if isinstance(ds_config, dict) and ds_config.get("gradient_clipping") == "auto":
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
 
 
@@ -134,15 +138,7 @@ def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
         fail_on_every_rank(accelerator, "fp8 (torchao) with FSDP2 cannot use cpu_ram_efficient_loading; use "
                            "accelerate_configs/fsdp2_fp8.yaml")
     accelerator.state.fsdp_plugin = plugin
-    accelerator.state.distributed_type = DistributedType.FSDP
-    PartialState().distributed_type = DistributedType.FSDP
-
-
-def init_trackers(accelerator: Accelerator, args: argparse.Namespace, project: str) -> None:
-    """Start the --report_to trackers, with the run's scalar flags as its config (trackers reject None and lists)."""
-    if args.report_to != "none":
-        accelerator.init_trackers(project, config={k: v for k, v in vars(args).items()
-                                                   if isinstance(v, (int, float, str, bool))})
+    use_fsdp_everywhere(accelerator)
 
 
 def use_all_cores() -> None:
@@ -160,16 +156,3 @@ def use_all_cores() -> None:
     if os.environ.get("OMP_NUM_THREADS", "1") != "1":
         return
     torch.set_num_threads(max(1, cores // local_processes))
-
-
-def finish(accelerator: Accelerator) -> None:
-    """End trackers and the process group once the script's models are gone.
-
-    Call it after the function that held the prepared model has returned (also when it returned early: a stop
-    signal, a diverged run): a DDP model still alive when the gloo group is destroyed makes the process abort at exit
-    now and then.
-    """
-    accelerator.free_memory()
-    gc.collect()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()

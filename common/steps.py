@@ -41,12 +41,14 @@ def track_progress(accelerator: Accelerator) -> TrainingProgress:
 
 
 def count_optimizer_steps(dataloader: DataLoader, accumulation_steps: int, num_processes: int, max_steps: int,
-                          num_train_epochs: float, unit: str = "examples") -> tuple[int, int]:
-    """(optimizer steps per epoch, optimizer steps in all) for an unprepared dataloader.
+                          num_train_epochs: float, unit: str = "examples") -> tuple[int | None, int]:
+    """(optimizer steps per epoch, optimizer steps in all) for an unprepared dataloader (a stream: None, --max_steps).
 
     accelerate deals the batches out over the processes, evening out the last ones (or dropping them with
     `drop_last`); a trailing partial accumulation window is dropped.
     """
+    if not hasattr(dataloader, "__len__"):  # a stream (common/features/streaming.py): --max_steps long
+        return None, max_steps
     batches = len(dataloader)
     per_process = batches // num_processes if dataloader.drop_last else math.ceil(batches / num_processes)
     steps_per_epoch = per_process // accumulation_steps
@@ -62,8 +64,11 @@ def optimizer_step_windows(dataloader, progress: TrainingProgress, steps_per_epo
     """Yield the micro-batches of each optimizer step from `progress.step` to `total_steps`.
 
     `progress.step` is advanced as each window is handed out: while the loop works on a window it holds the number of
-    the step that window completes (the step to log and to checkpoint).
+    the step that window completes (the step to log and to checkpoint). `steps_per_epoch` None: a stream.
     """
+    if steps_per_epoch is None:
+        yield from stream_step_windows(dataloader, progress, total_steps, accumulation_steps)
+        return
     while progress.step < total_steps:
         epoch, done = divmod(progress.step, steps_per_epoch)
         dataloader.set_epoch(epoch)  # the same shuffle per epoch, for any process count and after a resume

@@ -13,7 +13,7 @@ import random
 import torch
 
 from benchmarks import benchmark
-from common.modeling import LLAMA_PRESETS
+from common.inputs.modeling import LLAMA_PRESETS
 from gpu_suite.data import WORDS, write_jsonl
 from gpu_suite.suite import FAIL, PASS, SFT, Outcome, Row, Suite
 from tools import estimate_memory
@@ -34,7 +34,7 @@ def prepare(suite: Suite) -> dict[str, str]:
     completions are cut at the sequence length, so every example holds exactly `seq` tokens (no padding)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from common.data import train_bpe_tokenizer
+    from common.inputs.data import train_bpe_tokenizer
 
     size, d = shape(suite), os.path.join(suite.work, "data", "adapters")
     os.makedirs(d, exist_ok=True)

@@ -44,7 +44,7 @@ def prepare_sft(suite: Suite, d: str, rng: random.Random) -> None:
     """Prompt/completion pairs of uneven lengths and a tiny Llama with its own BPE tokenizer to fine-tune."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.data import train_bpe_tokenizer
+    from common.inputs.data import train_bpe_tokenizer
 
     greek = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     rows = [{"prompt": "Q: " + " ".join(rng.choice(greek) for _ in range(rng.randint(1, 40))) + "\nA:",

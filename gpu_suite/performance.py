@@ -11,7 +11,7 @@ import sys
 import torch
 
 from benchmarks import benchmark
-from common.modeling import LLAMA_PRESETS
+from common.inputs.modeling import LLAMA_PRESETS
 from gpu_suite.suite import CONFIGS, FAIL, PASS, Outcome, Row, Suite
 from tools import estimate_memory
 

@@ -26,6 +26,7 @@ import os
 import sys
 import textwrap
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,25 +38,30 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, DataColla
 
 from common.accumulation import (backward_loss, check_loss_honours_num_items, count_label_tokens,
                                  router_aux_loss_coefficient)
-from common.adapters import add_adapter, base_model_kwargs, check_adapter_targets
-from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
-from common.data import build_default_corpus, get_tokenizer, load_raw_datasets
+from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
 from common.errors import fail, fail_on_every_rank
 from common.evaluation import evaluate_causal_lm
-from common.export import export_merged_model, export_model
-from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_peft_args,
-                          add_training_args)
-from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
-from common.metrics import StepLog, peak_memory_bytes, write_all_results
-from common.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
+from common.export import export_model
+from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args,
+                          check_finetuning_flags)
+from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
+from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
+from common.inputs.data import build_default_corpus, get_tokenizer, load_raw_datasets
+from common.inputs.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
+from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
-from common.output_dir import claim_output_dir
-from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
-from common.run_record import RunRecord
-from common.runtime import build_accelerator, finish, init_trackers
-from common.steps import count_optimizer_steps, optimizer_step_windows, track_progress
-from common.validation import check_finetuning_flags
+from common.runtime import build_accelerator
+from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
+from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
+from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.disk import stop_if_disk_full  # feature: full disk
+from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
+                                  check_peft_flags, check_vocab_size, export_adapter, export_merged_model,
+                                  frozen_base_left_out)  # feature: lora
+from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
+from common.features.resume_guard import RunRecord  # feature: resume guard
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
@@ -67,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_finetuning_args(parser)
-    add_peft_args(parser)
+    add_chunked_loss_args(parser)  # feature: chunked loss
+    add_peft_args(parser)  # feature: lora
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
     g = parser.add_argument_group("supervised fine-tuning")
     g.add_argument("--prompt_column", default="prompt", help="Column holding the prompt (no loss on it).")
@@ -78,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Concatenate each batch's examples into one row with per-example position ids (no padding).")
     args = parser.parse_args(argv)
     check_finetuning_flags(args)
+    check_peft_flags(args)  # feature: lora
     if args.packing and args.group_by_length:
         fail("--group_by_length saves nothing with --packing (packed batches have no padding)")
     if args.chat_template and not os.path.isfile(args.chat_template):
@@ -88,10 +96,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
-    check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        check_chunked_loss(config)
+    if args.use_peft:  # feature: lora
+        check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
+    check_deepspeed_config(args)  # feature: deepspeed check
+    stop_when_launcher_dies()  # feature: preemption
     accelerator = build_accelerator(args)
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator)
-    status = train(args, config, accelerator, resume_from)
+    extras = CheckpointExtras()
+    extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
+    extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
+    status = train(args, config, accelerator, resume_from, extras)
     finish(accelerator)
     sys.exit(status)
 
@@ -181,21 +198,21 @@ def build_dataloaders(args, accelerator, tokenizer, data):
     return train_dataloader, eval_dataloader
 
 
-def train(args, config, accelerator, resume_from: str | None) -> int:
+def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:
     """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
-    run = RunRecord(args, "finetune_causal_lm", accelerator, config, DATA_FLAGS, resume_from)
-    claim_output_dir(args, accelerator)
+    record = RunRecord(args, "finetune_causal_lm", accelerator, config, DATA_FLAGS, resume_from)  # feature: resume guard
+    extras.write, extras.check = record.write, record.check  # feature: resume guard
+    lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
+    run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps
     tokenizer, data = load_sft_data(args, accelerator, config, resume_from)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
-    run.add_data(tokenizer, steps_per_epoch)
+    record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
 
     # ---- model (with --use_peft: a frozen, maybe 4-bit, base and a LoRA adapter), freezing, optimizer, schedule ------
-    model = build_causal_lm(args, config, len(tokenizer), **base_model_kwargs(args, accelerator, "CAUSAL_LM"))
-    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
-    model = add_adapter(args, accelerator, model, "CAUSAL_LM")
+    model = build_model(args, config, accelerator, len(tokenizer))
     trainable, total_params = count_parameters(model)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
@@ -205,17 +222,14 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)
-    progress = track_progress(accelerator)
-    resume(accelerator, resume_from, progress, run)
-    init_trackers(accelerator, args, "finetune_causal_lm")
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps, args.max_nonfinite_steps,
+                                     trackers=("finetune_causal_lm", vars(args)))
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
                 f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
 
     # ---- training loop: the loss is the mean over all response tokens of the step -----------------------------------
-    log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
-    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
-    catch_stop_signals()
+    guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
@@ -232,12 +246,12 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    checked = guard.check(window_loss, grad_norm, stop_signalled())
-                    if checked.verdict is Verdict.APPLY:
+                    if guard.check(window_loss, grad_norm).verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        checked = guard.step_check()
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS
         step = progress.step
@@ -250,11 +264,11 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
             log.write_eval(step, eval_metrics)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.untimed():
-                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, extras)
             if checkpoint is None:
                 return DIVERGED_STATUS
         if stop:
-            announce_stop(step, checkpoint)
+            announce_stop(step, checkpoint)  # feature: preemption
             return STOPPED_STATUS
     log.close()
     train_runtime = time.perf_counter() - train_start
@@ -262,18 +276,32 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    if not export_model(accelerator, model, tokenizer, args.output_dir):
+    export = export_model
+    if args.use_peft:  # feature: lora
+        export = export_adapter
+    if not export(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
-    if args.merge_adapter:
+    if args.use_peft and args.merge_adapter:  # feature: lora
         export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForCausalLM, args.model_name_or_path)
-    if accelerator.is_main_process:
-        write_all_results(args.output_dir, {
-            **eval_metrics, "train_loss": log.last_row.get("loss"), "train_steps": progress.step,
-            "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,
-            "num_parameters": total_params, "trainable_parameters": trainable, "train_examples": len(data["train"]),
-            "num_processes": accelerator.num_processes, "peak_memory_bytes": peak_memory_bytes()})
-        logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+    log.write_results({**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
+                       "padding_fraction": log.padding_fraction, "num_parameters": total_params,
+                       "trainable_parameters": trainable, "train_examples": len(data["train"])})
     return 0
+
+
+def build_model(args, config, accelerator, vocab_size: int):
+    """The pretrained model, frozen as flagged; with --use_peft a frozen (16-bit or 4-bit) base and a LoRA adapter."""
+    load_kwargs = {"dtype": torch.float32}  # fp32 weights: mixed precision autocasts them
+    if args.use_peft:  # feature: lora
+        check_vocab_size(config, vocab_size)
+        load_kwargs = base_model_kwargs(args, accelerator, "CAUSAL_LM")  # a 16-bit (or 4-bit) frozen base
+    model = build_causal_lm(args, config, vocab_size, **load_kwargs)
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        use_chunked_loss(model)
+    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.use_peft:  # feature: lora
+        model = add_adapter(args, accelerator, model, "CAUSAL_LM")
+    return model
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,25 +32,28 @@ from datasets import ClassLabel
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.adapters import add_adapter, base_model_kwargs, check_adapter_targets
-from common.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
-from common.data import get_tokenizer, load_raw_datasets
+from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
 from common.errors import fail
-from common.export import export_merged_model, export_model
-from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_peft_args,
-                          add_training_args)
-from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
-from common.metrics import StepLog, peak_memory_bytes, write_all_results
-from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
-                             load_finetuning_config)
+from common.export import export_model
+from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args,
+                          check_finetuning_flags)
+from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
+from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
+from common.inputs.data import get_tokenizer, load_raw_datasets
+from common.inputs.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
+                                    load_finetuning_config)
+from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
-from common.output_dir import claim_output_dir
-from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
-from common.run_record import RunRecord
-from common.runtime import build_accelerator, finish, init_trackers
+from common.runtime import build_accelerator
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
-from common.validation import check_finetuning_flags
+from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
+from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.disk import stop_if_disk_full  # feature: full disk
+from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
+                                  check_peft_flags, export_adapter, export_merged_model, frozen_base_left_out)  # feature: lora
+from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
+from common.features.resume_guard import RunRecord  # feature: resume guard
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resume keeps them
@@ -57,11 +61,11 @@ DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resu
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser, lm_head=False)
+    add_model_args(parser)
     add_data_args(parser)
     add_training_args(parser)
     add_finetuning_args(parser)
-    add_peft_args(parser)
+    add_peft_args(parser)  # feature: lora
     # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.01, adam_beta2=0.999, lr_scheduler_type="linear",
                         attn_implementation=None)
@@ -78,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="What --load_best_model_at_end compares.")
     args = parser.parse_args(argv)
     check_finetuning_flags(args)
+    check_peft_flags(args)  # feature: lora
     if args.group_by_length and args.pad_to_max_length:
         fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
     if args.auto_find_batch_size and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -89,19 +94,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
-    check_adapter_targets(args, config, AutoModelForSequenceClassification, "SEQ_CLS")
+    if args.use_peft:  # feature: lora
+        check_adapter_targets(args, config, AutoModelForSequenceClassification, "SEQ_CLS")
+    check_deepspeed_config(args)  # feature: deepspeed check
+    stop_when_launcher_dies()  # feature: preemption
     accelerator = build_accelerator(args)
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator)
+    extras = CheckpointExtras()
+    extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
+    extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
     if args.auto_find_batch_size:
-        status = train_with_largest_batch(args, config, accelerator, progress, resume_from)
+        status = train_with_largest_batch(args, config, accelerator, progress, resume_from, extras)
     else:
-        status = train(args, config, accelerator, progress, resume_from)
+        status = train(args, config, accelerator, progress, resume_from, extras)
     finish(accelerator)
     sys.exit(status)
 
 
-def train_with_largest_batch(args, config, accelerator, progress: TrainingProgress, resume_from: str | None) -> int:
+def train_with_largest_batch(args, config, accelerator, progress: TrainingProgress, resume_from: str | None,
+                             extras: CheckpointExtras) -> int:
     """`train` with accelerate's retry on out-of-memory errors: each attempt halves the per-device batch and doubles
     the accumulation (the same effective batch), and starts afresh."""
     effective_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -113,7 +126,7 @@ def train_with_largest_batch(args, config, accelerator, progress: TrainingProgre
         args.per_device_train_batch_size = batch_size
         args.gradient_accumulation_steps = accelerator.gradient_accumulation_steps = effective_batch // batch_size
         logger.info(f"Trying {batch_size} per device x {args.gradient_accumulation_steps} accumulation steps")
-        return train(args, config, accelerator, progress, resume_from)
+        return train(args, config, accelerator, progress, resume_from, extras)
 
     def smaller() -> int:  # the largest divisor of the effective batch at most half the current batch
         return max(d for d in range(1, args.per_device_train_batch_size // 2 + 1) if effective_batch % d == 0)
@@ -173,16 +186,19 @@ def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
     return train_dataloader, eval_dataloader
 
 
-def train(args, config, accelerator, progress: TrainingProgress, resume_from: str | None) -> int:
+def train(args, config, accelerator, progress: TrainingProgress, resume_from: str | None,
+          extras: CheckpointExtras) -> int:
     """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
-    run = RunRecord(args, "finetune_classifier", accelerator, config, DATA_FLAGS, resume_from)
-    claim_output_dir(args, accelerator)
+    record = RunRecord(args, "finetune_classifier", accelerator, config, DATA_FLAGS, resume_from)  # feature: resume guard
+    extras.write, extras.check = record.write, record.check  # feature: resume guard
+    lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
+    run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps
     tokenizer, data, label_names, max_length = load_classification_data(args, accelerator, config, resume_from)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data, max_length)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs)
-    run.add_data(tokenizer, steps_per_epoch)
+    record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
 
     # ---- model (new classification head), freezing, optimizer, schedule (in optimizer steps) -----------------------
     model, head = build_classifier(args, accelerator, label_names)
@@ -191,18 +207,17 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    resume(accelerator, resume_from, progress, run)
-    init_trackers(accelerator, args, "finetune_classifier")
-    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
-                f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
-                f"{len(data['train'])} training examples, {steps_per_epoch} optimizer steps per epoch, {total_steps} "
-                f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes}")
-
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps, args.max_nonfinite_steps,
+                                     trackers=("finetune_classifier", vars(args)), progress=progress)
+    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; {len(label_names)} "
+                f"labels {label_names}; {len(data['train'])} training examples, {steps_per_epoch} optimizer steps per "
+                f"epoch, {total_steps} in all; global batch "
+                f"{args.per_device_train_batch_size * ga * accelerator.num_processes}")
     # ---- training loop: equal-size micro-batches (drop_last), so the mean of their means is the step's mean --------
-    log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
-    best = BestModel(args.metric_for_best_model)
-    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
-    catch_stop_signals()
+    export, best = export_model, BestModel(args.metric_for_best_model)
+    if args.use_peft:  # feature: lora
+        export = export_adapter
+    guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
@@ -216,12 +231,12 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    checked = guard.check(window_loss, grad_norm, stop_signalled())
-                    if checked.verdict is Verdict.APPLY:
+                    if guard.check(window_loss, grad_norm).verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        checked = guard.step_check()
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS
         step = progress.step
@@ -232,42 +247,34 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
             with log.untimed():
                 metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
                 log.write_eval(step, metrics)
-                if best.update(step, metrics) and args.load_best_model_at_end:
-                    if not export_model(accelerator, model, tokenizer, args.output_dir):
-                        return DIVERGED_STATUS
+                if best.update(step, metrics) and args.load_best_model_at_end and not export(
+                        accelerator, model, tokenizer, args.output_dir):
+                    return DIVERGED_STATUS
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.untimed():
-                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, extras)
             if checkpoint is None:
                 return DIVERGED_STATUS
         if stop:
-            announce_stop(step, checkpoint)
+            announce_stop(step, checkpoint)  # feature: preemption
             return STOPPED_STATUS
     log.close()
     train_runtime = time.perf_counter() - train_start
-
     # ---- final evaluation and export (the last model, or the best one already exported) ----------------------------
     last_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
     log.write_eval(progress.step, last_metrics)
     if best.update(progress.step, last_metrics) or not args.load_best_model_at_end:
-        if not export_model(accelerator, model, tokenizer, args.output_dir):
+        if not export(accelerator, model, tokenizer, args.output_dir):
             return DIVERGED_STATUS
-    if args.merge_adapter:  # the exported adapter (the best one with --load_best_model_at_end) into its base
+    if args.use_peft and args.merge_adapter:  # feature: lora
         export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification,
                             args.model_name_or_path, **head)
-    exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else \
-        (progress.step, last_metrics)
-    if accelerator.is_main_process:
-        results = {**exported, "exported_step": exported_step,
-                   "train_loss": log.last_row.get("loss"), "train_steps": progress.step, "train_runtime": train_runtime,
-                   "padding_fraction": log.padding_fraction,
-                   "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
-                   "per_device_train_batch_size": args.per_device_train_batch_size,
-                   "gradient_accumulation_steps": ga, "num_processes": accelerator.num_processes,
-                   "peak_memory_bytes": peak_memory_bytes()}
-        write_all_results(args.output_dir, results)
-        logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}. Model, "
-                    f"tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+    exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else (progress.step, last_metrics)
+    logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}")
+    log.write_results({**exported, "exported_step": exported_step, "train_steps": progress.step,
+                       "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,
+                       "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
+                       "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": ga})
     return 0
 
 
@@ -277,13 +284,17 @@ def build_classifier(args, accelerator, label_names: list[str]):
     head = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
                 label2id={name: i for i, name in enumerate(label_names)}, problem_type="single_label_classification",
                 ignore_mismatched_sizes=True)  # a checkpoint with another head (other classes) gets a fresh one
+    load_kwargs = {"dtype": torch.float32}  # fp32 weights: mixed precision autocasts them
+    if args.use_peft:  # feature: lora
+        load_kwargs = base_model_kwargs(args, accelerator, "SEQ_CLS")  # a 16-bit (or 4-bit) frozen base
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, attn_implementation=args.attn_implementation, **head,
-        **base_model_kwargs(args, accelerator, "SEQ_CLS"))
+        args.model_name_or_path, attn_implementation=args.attn_implementation, **head, **load_kwargs)
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    return add_adapter(args, accelerator, model, "SEQ_CLS"), head
+    if args.use_peft:  # feature: lora
+        model = add_adapter(args, accelerator, model, "SEQ_CLS")
+    return model, head
 
 
 class BestModel:

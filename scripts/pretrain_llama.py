@@ -6,8 +6,9 @@
     accelerate launch --config_file accelerate_configs/<pick>.yaml scripts/pretrain_llama.py ...
 
 The loop below is the whole training procedure: prepare, accumulate, backward, clip, step, log, evaluate,
-checkpoint, export. `common/` holds only the pieces the scripts share (arguments, data, model, optimizer, the exact
-accumulation loss, the step bookkeeping, checkpoints, metrics).
+checkpoint, export. `common/` holds the core the recipes share (flags, the exact accumulation loss, step bookkeeping,
+optimizer, checkpoints, metrics, export), `common/inputs/` the data and model building a copier replaces, and
+`common/features/` the optional features: each is wired in by the lines marked `# feature: <name>` (docs/layout.md).
 """
 
 from __future__ import annotations
@@ -27,24 +28,28 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 
 from common.accumulation import (backward_loss, check_loss_honours_num_items, count_label_tokens,
                                  router_aux_loss_coefficient)
-from common.checkpoint import find_checkpoint_to_resume, resume, save_checkpoint
-from common.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
 from common.errors import fail
 from common.evaluation import evaluate_causal_lm
 from common.export import export_model
-from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
-from common.guard import DIVERGED_STATUS, NonFiniteGuard, Verdict
-from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_all_results
-from common.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
-                             outside_zero3)
+from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args, check_common_flags
+from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
+from common.inputs.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, full_numel,
+                                    load_config, outside_zero3)
+from common.lifecycle import RunLifecycle, finish
+from common.metrics import flops_per_token
 from common.optim import create_optimizer_and_scheduler
-from common.output_dir import claim_output_dir
-from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
-from common.run_record import RunRecord
-from common.runtime import build_accelerator, finish, init_trackers
-from common.steps import count_optimizer_steps, optimizer_step_windows, stream_step_windows, track_progress
-from common.streaming import load_streaming_data
-from common.validation import check_common_flags
+from common.runtime import build_accelerator
+from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
+from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
+from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.disk import stop_if_disk_full  # feature: full disk
+from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
+from common.features.resume_guard import RunRecord  # feature: resume guard
+from common.features.streaming import (add_streaming_args, check_streaming_flags, load_streaming_data)  # feature: streaming
 
 logger = get_logger(__name__)
 
@@ -54,19 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(parser, PRESETS)
     add_data_args(parser)
     add_training_args(parser)
+    add_chunked_loss_args(parser)  # feature: chunked loss
+    add_streaming_args(parser)  # feature: streaming
     g = parser.add_argument_group("pretraining")
     g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
     g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="Vocabulary of a tokenizer trained here.")
-    g.add_argument("--streaming", action="store_true",
-                   help="Read the corpus as a stream: tokenized and packed on the fly, no cache; needs --max_steps.")
     g.add_argument("--sample_prompt", default="def ", help="Prompt for the sample generated at the end.")
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Tokens of that sample; 0: no sample.")
     args = parser.parse_args(argv)
     check_common_flags(args)
     if args.block_size < 2:
         fail(f"--block_size must be >= 2 (got {args.block_size})")
-    if args.streaming and args.max_steps <= 0:
-        fail("--streaming needs --max_steps: a stream has no length to count epochs in")
+    check_streaming_flags(args)  # feature: streaming
     if sum(x is not None for x in (args.model_name_or_path, args.config_name, args.model_preset)) > 1:
         fail("give only one of --model_name_or_path, --config_name, --model_preset")
     return args
@@ -82,10 +86,17 @@ def main() -> None:
     args = parse_args()
     config = load_config(args)  # cheap: checked against the flags before any heavy work
     check_block_size(config, args.block_size)
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        check_chunked_loss(config)
+    check_deepspeed_config(args)  # feature: deepspeed check
+    stop_when_launcher_dies()  # feature: preemption
     accelerator = build_accelerator(args)
-    # None: a fresh start. Every file of the checkpoint is checked against its recorded size and checksum first.
-    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator)
-    status = train(args, config, accelerator, resume_from)
+    extras = CheckpointExtras()  # what the features below add to checkpoints
+    extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
+    extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    # None: a fresh start (with checksums: every file of the checkpoint is checked first).
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
+    status = train(args, config, accelerator, resume_from, extras)
     finish(accelerator)  # after train() has returned: its model is gone
     sys.exit(status)
 
@@ -103,24 +114,24 @@ def load_data(args, accelerator, resume_from: str | None):
     return tokenizer, train_dataloader, eval_dataloader
 
 
-def train(args, config, accelerator, resume_from: str | None) -> int:
-    """The whole run; returns the exit status: 0, STOPPED_STATUS (a stop signal, after its checkpoint) or
-    DIVERGED_STATUS."""
-    run = RunRecord(args, "pretrain_llama", accelerator, config, data_flags(args), resume_from)  # checks a resume
-    claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
+def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:
+    """The whole run; returns the exit status: 0, STOPPED_STATUS (after a stop's checkpoint) or DIVERGED_STATUS."""
+    record = RunRecord(args, "pretrain_llama", accelerator, config, data_flags(args), resume_from)  # feature: resume guard
+    extras.write, extras.check = record.write, record.check  # feature: resume guard
+    lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
+    run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps
-    if args.streaming:  # no length: --max_steps long; epochs are passes over each process's share of the stream
-        tokenizer, train_dataloader, eval_dataloader = load_streaming_data(args, accelerator, resume_from)
-        steps_per_epoch, total_steps = None, args.max_steps
-    else:
-        tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator, resume_from)
-        steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
-                                                             args.max_steps, args.num_train_epochs, unit="blocks")
-    run.add_data(tokenizer, steps_per_epoch)
+    load = load_data
+    if args.streaming:  # feature: streaming
+        load = load_streaming_data  # no length: --max_steps long; epochs are passes over each process's share
+    tokenizer, train_dataloader, eval_dataloader = load(args, accelerator, resume_from)
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
+                                                         args.max_steps, args.num_train_epochs, unit="blocks")
+    record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
 
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
-    model = build_causal_lm(args, config, len(tokenizer))
-    trainable, total_params = count_parameters(model)
+    model = build_model(args, config, len(tokenizer))
+    total_params = count_parameters(model)[1]
     step_flops = flops_per_token(model.config, total_params, full_numel(model.get_input_embeddings().weight),
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
@@ -129,25 +140,17 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
-    progress = track_progress(accelerator)
-    resume(accelerator, resume_from, progress, run)
-    init_trackers(accelerator, args, "pretrain_llama")
-    blocks = "a stream of" if args.streaming else len(train_dataloader.dataset)
-    logger.info(f"Model: {total_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
-                f"{blocks} training blocks of {args.block_size} tokens, {steps_per_epoch or 'unknown'} "
-                f"optimizer steps per epoch, {total_steps} in all; global batch "
-                f"{args.per_device_train_batch_size * ga * accelerator.num_processes} sequences")
+    # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps, args.max_nonfinite_steps,
+                                     trackers=("pretrain_llama", vars(args)), flops_per_token=step_flops)
+    describe_run(args, accelerator, model, train_dataloader, steps_per_epoch, total_steps)
 
     # ---- training loop: it ends at total_steps, or returns early on a stop signal or divergence ---------------------
-    log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps,
-                  flops_per_token=step_flops)
-    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
-    catch_stop_signals()  # from here on SIGTERM/SIGINT/SIGUSR1 end the run after the current step, with a checkpoint
+    guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()
-    windows = (stream_step_windows(train_dataloader, progress, total_steps, ga) if args.streaming else
-               optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga))
-    for window in windows:  # one optimizer step's micro-batches; progress.step is the step it completes
+    # one optimizer step's micro-batches at a time; progress.step is the step the window completes
+    for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
         lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # real label tokens in the window, all processes
         window_loss = torch.zeros((), device=accelerator.device)  # this process's share of the step's loss
@@ -161,12 +164,12 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
                 if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
                     # the step's one read to the host: loss, grad norm, any rank's stop signal; one verdict everywhere
-                    checked = guard.check(window_loss, grad_norm, stop_signalled())
-                    if checked.verdict is Verdict.APPLY:
+                    if guard.check(window_loss, grad_norm).verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:  # fp16 overflow or DeepSpeed's own skip
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        checked = guard.step_check()  # loss, grad norm, verdict and stop request, as every rank saw them
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS  # the guard has said why; the newest checkpoint holds finite weights
         step = progress.step
@@ -179,11 +182,11 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
             log.write_eval(step, eval_metrics)
         if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
             with log.untimed():
-                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, run)
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, extras)
             if checkpoint is None:
                 return DIVERGED_STATUS  # a non-finite weight: nothing saved, the reason printed
         if stop:
-            announce_stop(step, checkpoint)  # where it stopped and the command that continues it
+            announce_stop(step, checkpoint)  # feature: preemption
             return STOPPED_STATUS
     log.close()
     train_runtime = time.perf_counter() - train_start
@@ -193,16 +196,31 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
     log.write_eval(progress.step, eval_metrics)
     if not export_model(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS  # a non-finite weight: nothing exported, the reason printed
-    if accelerator.is_main_process:
-        results = {**eval_metrics, "train_loss": log.last_row.get("loss"), "train_steps": progress.step,
-                   "train_runtime": train_runtime, "num_parameters": total_params,
-                   "num_processes": accelerator.num_processes, "peak_memory_bytes": peak_memory_bytes()}
-        if args.sample_max_new_tokens > 0:
-            results["sample"] = generate_sample(args.output_dir, args.sample_prompt, args.sample_max_new_tokens)
-            logger.info(f"Sample from the exported model:\n{results['sample']}")
-        write_all_results(args.output_dir, results)
-        logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
+    results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
+               "num_parameters": total_params}
+    if args.sample_max_new_tokens > 0 and accelerator.is_main_process:
+        results["sample"] = generate_sample(args.output_dir, args.sample_prompt, args.sample_max_new_tokens)
+        logger.info(f"Sample from the exported model:\n{results['sample']}")
+    log.write_results(results)
     return 0
+
+
+def describe_run(args, accelerator, model, train_dataloader, steps_per_epoch: int | None, total_steps: int) -> None:
+    trainable, total = count_parameters(model)
+    blocks = len(train_dataloader.dataset) if steps_per_epoch else "a stream of"
+    logger.info(f"Model: {total / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
+                f"{blocks} training blocks of {args.block_size} tokens, {steps_per_epoch or 'unknown'} "
+                f"optimizer steps per epoch, {total_steps} in all; global batch "
+                f"{args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes}"
+                " sequences")
+
+
+def build_model(args, config, vocab_size: int):
+    """The model to train: a fresh one from `config`, or pretrained weights (--model_name_or_path)."""
+    model = build_causal_lm(args, config, vocab_size)
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        use_chunked_loss(model)
+    return model
 
 
 def generate_sample(model_dir: str, prompt: str, max_new_tokens: int) -> str:

@@ -95,7 +95,7 @@ def damage(checkpoint, name: str, kind: str) -> str:
 
 def assert_each_damage_is_named(checkpoint, name: str, scratch) -> None:
     """A copy of `checkpoint` with `name` truncated, missing or with a flipped byte fails verification, naming it."""
-    from common.integrity import verify
+    from common.features.checksums import verify
 
     assert verify(str(checkpoint)) == (True, None)
     for kind in DAMAGES:

@@ -65,16 +65,17 @@ def main() -> None:
         setattr(torch.Tensor, name, recorded(name))
 
     import common.metrics
-    import common.preemption
+    import common.features.preemption
 
-    start = common.preemption.catch_stop_signals
+    start = common.features.preemption.catch_stop_signals
     log_step, log_close = common.metrics.StepLog.step, common.metrics.StepLog.close
 
-    def catch_stop_signals_and_count() -> None:  # called just before each loop starts
+    def catch_stop_signals_and_count():  # called just before each loop starts
         global counting
-        start()
+        stop_signalled = start()
         current.clear()
         counting = True
+        return stop_signalled
 
     def step(self, *args, **kwargs):
         log_step(self, *args, **kwargs)
@@ -86,7 +87,7 @@ def main() -> None:
         counting = False
         log_close(self)
 
-    common.preemption.catch_stop_signals = catch_stop_signals_and_count
+    common.features.preemption.catch_stop_signals = catch_stop_signals_and_count
     common.metrics.StepLog.step, common.metrics.StepLog.close = step, close
     sys.argv = [script, *flags]
     try:

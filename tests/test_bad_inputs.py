@@ -86,7 +86,7 @@ def test_unwritable_output_dir_is_one_line(capsys, tmp_path):
 ])
 def test_unreadable_data_names_the_file_and_line(capsys, tmp_path, name, content, problem):
     """datasets stops with a traceback naming neither the file nor the row; the scripts name both, in one line."""
-    from common.data import load_raw_datasets
+    from common.inputs.data import load_raw_datasets
 
     good = tmp_path / ("good" + os.path.splitext(name)[1])
     if name.endswith(".parquet"):
@@ -182,7 +182,7 @@ def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processe
 def test_the_checks_only_check(tmp_path):
     """Validation reads the flags and the environment and changes neither: `auto` stays `auto` in `args`; the
     checkpoint it names is found by `find_checkpoint_to_resume`, whose result the script keeps on its own."""
-    from common.validation import check_common_flags
+    from common.flags import check_common_flags
 
     args = pretrain.parse_args(["--resume_from_checkpoint", "auto", "--output_dir", str(tmp_path / "out")])
     flags, environment = dict(vars(args)), dict(os.environ)

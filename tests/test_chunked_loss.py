@@ -20,7 +20,7 @@ from test_distributed import assert_same_training, init_model, train_args  # noq
 from test_finetune_causal_lm import finetune, max_difference, sft, weights  # noqa: F401  (fixture)
 from test_fsdp import fsdp_launcher
 
-from common.chunked_loss import use_chunked_loss
+from common.features.chunked_loss import use_chunked_loss
 
 
 def tiny_pair(tie: bool):
@@ -88,7 +88,7 @@ def test_loss_and_gradients_equal_the_unchunked_ones(tie):
 def test_head_gradients_equal_the_unchunked_ones():
     """The loss and its gradients for the head's input and weight, 8,192 tokens (8 chunks) x vocabulary 32,000 in fp32,
     one in seven labels ignored: within 1e-6 of the unchunked head's (the op the flag swaps in)."""
-    from common.chunked_loss import _head_forward
+    from common.features.chunked_loss import _head_forward
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 2048, 64, generator=generator)

@@ -144,7 +144,7 @@ def launched_with(monkeypatch, tmp_path, ds_config: dict, world_size: int = 1) -
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=os.path.basename)
 def test_shipped_json_agrees_with_any_flags(path, monkeypatch, tmp_path):
-    from common.deepspeed_check import check_deepspeed_config
+    from common.features.deepspeed_check import check_deepspeed_config
 
     launched_with(monkeypatch, tmp_path, load_json(path), world_size=8)
     check_deepspeed_config(flags(per_device_train_batch_size=7, gradient_accumulation_steps=3, max_grad_norm=0.3,
@@ -163,7 +163,7 @@ def test_shipped_json_agrees_with_any_flags(path, monkeypatch, tmp_path):
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, {}, "optimizer.params.lr=0.001 but --learning_rate"),
 ])
 def test_contradicting_json_fails_in_one_line(change, flag_overrides, expected, monkeypatch, tmp_path, capsys):
-    from common.deepspeed_check import check_deepspeed_config
+    from common.features.deepspeed_check import check_deepspeed_config
 
     path = launched_with(monkeypatch, tmp_path, {**load_json(DS_CONFIGS[0]), **change}, world_size=2)
     with pytest.raises(SystemExit) as exit_info:
@@ -178,7 +178,7 @@ def test_auto_gradient_clipping_takes_the_flag(monkeypatch, tmp_path):
     """accelerate alone would fill an "auto" gradient_clipping with 1.0 whatever --max_grad_norm says."""
     from accelerate.utils import DeepSpeedPlugin
 
-    from common.deepspeed_check import check_deepspeed_config
+    from common.features.deepspeed_check import check_deepspeed_config
     from common.runtime import clip_in_deepspeed_as_flagged
 
     path = launched_with(monkeypatch, tmp_path, load_json(os.path.join(ROOT, "ds_configs", "zero2.json")))
@@ -188,7 +188,7 @@ def test_auto_gradient_clipping_takes_the_flag(monkeypatch, tmp_path):
 
 
 def test_json_optimizer_with_adafactor_fails(monkeypatch, tmp_path, capsys):
-    from common.deepspeed_check import check_deepspeed_config
+    from common.features.deepspeed_check import check_deepspeed_config
 
     launched_with(monkeypatch, tmp_path, load_json(os.path.join(ROOT, "ds_configs", "zero2_offload.json")))
     with pytest.warns(UserWarning, match="DeepSpeed's CPU Adam"):
@@ -199,7 +199,7 @@ def test_json_optimizer_with_adafactor_fails(monkeypatch, tmp_path, capsys):
 
 
 def test_no_deepspeed_no_check(tmp_path):
-    from common.deepspeed_check import check_deepspeed_config
+    from common.features.deepspeed_check import check_deepspeed_config
 
     check_deepspeed_config(flags(per_device_train_batch_size=123))  # no launcher variables: nothing to compare
 
@@ -275,7 +275,7 @@ def test_preset_shape_counts_the_real_model(estimator):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from common.modeling import LLAMA_PRESETS
+    from common.inputs.modeling import LLAMA_PRESETS
 
     args = estimator.parse_args(["--model_preset", "tiny", "--vocab_size", "512"])
     shape = estimator.model_shape(args)

@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 
 from conftest import DAMAGES, ROOT, SCRIPTS, damage, read_metrics, skip_line
 
-from common.checkpoint import complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
-from common.integrity import CHECKSUM, checkpoint_files, share
+from common.checkpoint import CheckpointExtras, complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
+from common.features.checksums import CHECKSUM, checkpoint_files, record_files, share, verify_checkpoint
 from common.metrics import MetricsWriter
-from common.output_dir import claim_output_dir
+from common.output_dir import prepare_output_dir
 from common.paths import COMPLETE_MARKER, LOCK_FILE
 
 STEPS, EVERY = 16, 2  # room for 5 kills: each one during a save costs the attempt a checkpoint
@@ -186,7 +186,7 @@ def test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newes
     model = torch.nn.Linear(4, 4)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     for step in range(1, 6):
-        save_checkpoint(accelerator, str(tmp_path), step, save_total_limit=2, run=NO_RECORD)
+        save_checkpoint(accelerator, str(tmp_path), step, save_total_limit=2)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5"]  # pruned after each new one
     assert all((tmp_path / "checkpoints" / s / COMPLETE_MARKER).is_file() for s in ("step_4", "step_5"))
     # An interrupted save of step 6 (half a model file) and a step_7 folder without the completion marker.
@@ -198,20 +198,14 @@ def test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newes
     for value in ("latest", "auto"):
         assert find_checkpoint_to_resume(str(tmp_path), value) == str(tmp_path / "checkpoints" / "step_5")
     accelerator.load_state(find_checkpoint_to_resume(str(tmp_path), "latest"))  # what it picks loads
-    claim_output_dir(argparse_namespace(tmp_path), accelerator)
+    prepare_output_dir(accelerator, str(tmp_path), overwrite_output_dir=False)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5", "step_7"]  # the leftover is gone
-    save_checkpoint(accelerator, str(tmp_path), 8, save_total_limit=2, run=NO_RECORD)  # prunes complete ones only
+    save_checkpoint(accelerator, str(tmp_path), 8, save_total_limit=2)  # prunes complete ones only
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_5", "step_7", "step_8"]
 
 
-class _NoRunRecord:
-    """In-process saves without a script run: nothing to record next to accelerate's state."""
-
-    def write(self, path: str) -> None:
-        pass
-
-
-NO_RECORD = _NoRunRecord()
+# In-process saves without a script run: the marker records file sizes and checksums, as a recipe's do.
+CHECKSUMS = CheckpointExtras(record_files=record_files, verify=verify_checkpoint)
 
 
 def argparse_namespace(output_dir, overwrite: bool = False):
@@ -327,7 +321,7 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_latest(accelerat
     model(torch.ones(2, 64)).sum().backward()
     optimizer.step()  # the optimizer has moments to save
     for step in (1, 2):
-        save_checkpoint(accelerator, str(tmp_path / "run"), step, save_total_limit=None, run=NO_RECORD)
+        save_checkpoint(accelerator, str(tmp_path / "run"), step, save_total_limit=None, extras=CHECKSUMS)
     newest = tmp_path / "run" / "checkpoints" / "step_2"
     files = json.loads((newest / COMPLETE_MARKER).read_text())["files"]
     assert sorted(files) == checkpoint_files(str(newest)) and name in files  # every file, the marker aside
@@ -342,17 +336,18 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_latest(accelerat
         if kind == "flipped" and name == "model.safetensors":
             assert load_file(checkpoint / name).keys()  # safetensors alone would not notice
         caplog.clear()
-        assert find_checkpoint_to_resume(str(out), "auto", accelerator) == previous
+        assert find_checkpoint_to_resume(str(out), "auto", accelerator, verify_checkpoint) == previous
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [skip_line(checkpoint, problem)]
-        assert one_line_stop(capsys, find_checkpoint_to_resume, str(out), "latest", accelerator) == (
+        find = (find_checkpoint_to_resume, str(out))
+        assert one_line_stop(capsys, *find, "latest", accelerator, verify_checkpoint) == (
             f"error: --resume_from_checkpoint latest: {checkpoint} is damaged: {problem}; --resume_from_checkpoint "
             "auto resumes the newest checkpoint that verifies")
-        assert one_line_stop(capsys, find_checkpoint_to_resume, str(out), str(checkpoint), accelerator) == (
+        assert one_line_stop(capsys, *find, str(checkpoint), accelerator, verify_checkpoint) == (
             f"error: --resume_from_checkpoint {checkpoint} is damaged: {problem}; resume another checkpoint "
             "(--resume_from_checkpoint auto takes the newest one that verifies)")
         if kind == "missing":  # both damaged: auto has nothing to resume and says so, rather than start over
             other = damage(previous, name, "truncated")
-            assert one_line_stop(capsys, find_checkpoint_to_resume, str(out), "auto", accelerator) == (
+            assert one_line_stop(capsys, *find, "auto", accelerator, verify_checkpoint) == (
                 f"error: --resume_from_checkpoint auto: no checkpoint under {out / 'checkpoints'} verifies (step_2: "
                 f"{problem}; step_1: {other}); remove them to start fresh, or start over with --overwrite_output_dir "
                 "instead of --resume_from_checkpoint")
@@ -362,12 +357,12 @@ def test_a_checkpoint_without_a_file_record_resumes_with_a_warning(accelerator, 
     """Checkpoints saved before markers recorded their files: resumed unverified, with one line saying so."""
     model = torch.nn.Linear(4, 4)
     accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-    save_checkpoint(accelerator, str(tmp_path), 1, save_total_limit=None, run=NO_RECORD)
+    save_checkpoint(accelerator, str(tmp_path), 1, save_total_limit=None, extras=CHECKSUMS)
     checkpoint = tmp_path / "checkpoints" / "step_1"
     (checkpoint / COMPLETE_MARKER).write_text('{"step": 1, "metrics_rows": 0}')
     for value in ("latest", "auto"):
         caplog.clear()
-        assert find_checkpoint_to_resume(str(tmp_path), value, accelerator) == str(checkpoint)
+        assert find_checkpoint_to_resume(str(tmp_path), value, accelerator, verify_checkpoint) == str(checkpoint)
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
             f"{checkpoint} records no file sizes or checksums (saved by an older version, or not marked complete): "
             "resuming it unverified"]

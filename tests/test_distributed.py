@@ -49,8 +49,8 @@ def init_model(corpus, tmp_path_factory) -> str:
     """A tiny Llama and its tokenizer, saved: the common starting point of every run."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.data import train_bpe_tokenizer
-    from common.modeling import LLAMA_PRESETS
+    from common.inputs.data import train_bpe_tokenizer
+    from common.inputs.modeling import LLAMA_PRESETS
 
     path = str(tmp_path_factory.mktemp("init"))
     with open(corpus["train"]) as f:

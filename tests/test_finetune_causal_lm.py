@@ -34,7 +34,7 @@ def sft(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama with its own byte-level BPE tokenizer, and prompt/completion data of very uneven lengths."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.data import train_bpe_tokenizer
+    from common.inputs.data import train_bpe_tokenizer
 
     d = tmp_path_factory.mktemp("sft")
     rng = random.Random(0)

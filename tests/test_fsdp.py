@@ -225,7 +225,8 @@ sys.path.insert(0, root)
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
-from common.runtime import build_accelerator, finish
+from common.lifecycle import finish
+from common.runtime import build_accelerator
 spec = importlib.util.spec_from_file_location("pretrain_llama", f"{root}/scripts/pretrain_llama.py")
 pretrain = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pretrain)

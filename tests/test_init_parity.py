@@ -83,7 +83,7 @@ def test_one_process_exports_the_model_drawn_from_the_seed(reference):
     from accelerate.utils import set_seed
     from transformers import AutoConfig
 
-    from common.modeling import build_causal_lm, load_config
+    from common.inputs.modeling import build_causal_lm, load_config
 
     args = argparse.Namespace(model_name_or_path=None, config_name=None, model_preset=None,
                               attn_implementation="sdpa", gradient_checkpointing=False)

@@ -62,7 +62,7 @@ def data(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama with its own tokenizer, prompt/completion rows of uneven lengths, and the probe script."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.data import train_bpe_tokenizer
+    from common.inputs.data import train_bpe_tokenizer
 
     d = tmp_path_factory.mktemp("lora")
     rng = random.Random(0)
@@ -150,7 +150,7 @@ def test_the_wrapped_model_starts_as_the_base(quantized, data, tmp_path):
     from accelerate.state import AcceleratorState, GradientState
     from transformers import AutoModelForCausalLM
 
-    from common.adapters import add_adapter, base_model_kwargs
+    from common.features.lora import add_adapter, base_model_kwargs
 
     args = load_script("finetune_causal_lm").parse_args(
         ["--model_name_or_path", data["model"], "--output_dir", str(tmp_path), *LORA,
@@ -176,8 +176,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(quantized, data, tmp_pa
     from accelerate.state import AcceleratorState, GradientState
     from transformers import AutoModelForCausalLM
 
-    from common.adapters import add_adapter, base_model_kwargs
-    from common.modeling import enable_gradient_checkpointing
+    from common.features.lora import add_adapter, base_model_kwargs
+    from common.inputs.modeling import enable_gradient_checkpointing
 
     ft = load_script("finetune_causal_lm")
     ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -406,7 +406,7 @@ def test_estimator_counts_the_adapter_and_the_4bit_base(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
-    from common.modeling import LLAMA_PRESETS
+    from common.inputs.modeling import LLAMA_PRESETS
     from tools import estimate_memory
 
     shape = estimate_memory.model_shape(argparse.Namespace(params=None, config_name=None, model_preset="tiny",

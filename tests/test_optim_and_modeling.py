@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.modeling import enable_gradient_checkpointing
+from common.inputs.modeling import enable_gradient_checkpointing
 from common.optim import create_optimizer, param_groups
 
 

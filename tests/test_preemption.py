@@ -35,7 +35,7 @@ from test_finetune_causal_lm import sft  # noqa: F401  (fixture)
 from test_finetune_classifier import tiny  # noqa: F401  (fixture)
 
 from common.guard import DIVERGED_STATUS
-from common.preemption import STOPPED_STATUS
+from common.guard import STOPPED_STATUS
 
 TOL = 1e-6
 MAX_STEPS, STOP_AT = 6, 2
@@ -212,7 +212,7 @@ def uninterrupted(corpus, cache, tmp_path_factory):
     return get
 
 
-# Measured with accelerate 1.15 / torch 2.13 (see common/preemption.py): one process = accelerate's plain Popen in
+# Measured with accelerate 1.15 / torch 2.13 (see common/features/preemption.py): one process = accelerate's plain Popen in
 # the launcher's process group; two = torchrun's agent, whose workers run in their own session (a signal to the
 # launcher's group reaches only the agent). The launcher's own exit status is what accelerate / torchrun make of it.
 CASES = {
@@ -303,8 +303,8 @@ def one_bad_block(tmp_path_factory) -> dict[str, str]:
     (rms_norm_eps=0) whose embedding of `q` is zero: that block's forward pass is NaN."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.data import train_bpe_tokenizer
-    from common.modeling import LLAMA_PRESETS
+    from common.inputs.data import train_bpe_tokenizer
+    from common.inputs.modeling import LLAMA_PRESETS
 
     d = tmp_path_factory.mktemp("one_bad_block")
     rng = random.Random(0)

@@ -152,7 +152,7 @@ def guard_error(capsys, corpus, runs, *changed: str, num_processes: int = 1, scr
 
     from types import SimpleNamespace
 
-    from common.run_record import RunRecord, check_run_record
+    from common.features.resume_guard import RunRecord, check_run_record
 
     pretrain = load_pretrain_module()
     checkpoint = runs / "reference" / "checkpoints" / "step_3"
@@ -180,7 +180,7 @@ def guard_error(capsys, corpus, runs, *changed: str, num_processes: int = 1, scr
 
 
 def test_a_resume_that_would_train_differently_is_refused_with_one_line(capsys, corpus, runs, tmp_path):
-    from common.data import train_bpe_tokenizer
+    from common.inputs.data import train_bpe_tokenizer
 
     def refused(*changed, **kwargs):
         return guard_error(capsys, corpus, runs, *changed, **kwargs)
@@ -207,7 +207,7 @@ def test_a_resume_that_would_train_differently_is_refused_with_one_line(capsys, 
     assert refused(tokenizer=another_tokenizer).startswith("this run's tokenizer differs from the one the checkpoint "
                                                            "was trained with")
     assert refused(steps_per_epoch=5).startswith("an epoch of the checkpoint's run has")
-    from common.run_record import check_run_length
+    from common.features.resume_guard import check_run_length
 
     with pytest.raises(SystemExit):
         check_run_length(str(runs / "reference" / "checkpoints" / "step_3"), 2)
@@ -430,7 +430,7 @@ def test_new_hyperparameters_through_the_script(corpus, runs):
         argv += [flag, value]  # argparse keeps the last value of a flag given twice
     proc = run_script("pretrain_llama.py", *argv)
     line = next(line for line in proc.stderr.splitlines() if "with new hyperparameters" in line)
-    assert line.split("WARNING common.run_record: [RANK 0] ")[1] == (
+    assert line.split("WARNING common.features.resume_guard: [RANK 0] ")[1] == (
         f"Resuming {out / 'checkpoints' / 'step_3'} with new hyperparameters: --learning_rate 0.001 (was 0.003), "
         "--lr_scheduler_type linear (was cosine), --warmup_steps 5 (was None), --max_steps 8 (was 6), "
         "--weight_decay 0.01 (was 0.1), --adam_beta1 0.8 (was 0.9), --adam_beta2 0.99 (was 0.95), --adam_epsilon "

@@ -1,4 +1,4 @@
-"""`--streaming` (common/streaming.py): each document once per pass over all processes, exact mid-run resume.
+"""`--streaming` (common/features/streaming.py): each document once per pass over all processes, exact mid-run resume.
 
 Properties:
 - coverage: the processes' shares of the stream partition the documents (each one exactly once, none held out for
@@ -47,7 +47,7 @@ def write_docs(path: str, ids: range) -> None:
 @pytest.fixture(scope="module")
 def stream_corpus(tmp_path_factory) -> dict[str, str]:
     """Documents `doc<i> ...` in one train file, the same split over two files, a validation file, a tokenizer."""
-    from common.data import train_bpe_tokenizer
+    from common.inputs.data import train_bpe_tokenizer
 
     d = tmp_path_factory.mktemp("stream")
     paths = {name: str(d / f"{name}.jsonl") for name in ("train", "part0", "part1", "validation")}
@@ -75,7 +75,7 @@ def doc_ids(documents) -> list[int]:
 def test_each_document_once_per_pass(stream_corpus, files):
     from datasets import load_dataset
 
-    from common.streaming import process_share
+    from common.features.streaming import process_share
 
     stream = load_dataset("json", data_files=[stream_corpus[f] for f in files], streaming=True)["train"]
     shares = [doc_ids(process_share(stream, rank, 2)) for rank in range(2)]
@@ -86,7 +86,7 @@ def test_each_document_once_per_pass(stream_corpus, files):
 def test_held_out_documents_are_not_trained_on(stream_corpus):
     from datasets import load_dataset
 
-    from common.streaming import load_streams, process_share, split_streams
+    from common.features.streaming import load_streams, process_share, split_streams
 
     _, validation = load_streams(stream_args(train_file=stream_corpus["train"]))  # 20 % held out, by hash
     held = doc_ids(validation)
@@ -104,7 +104,7 @@ def test_held_out_documents_are_not_trained_on(stream_corpus):
 def test_blocks_are_the_share_tokens_in_order(stream_corpus):
     from transformers import AutoTokenizer
 
-    from common.streaming import load_streams, packed_blocks, process_share
+    from common.features.streaming import load_streams, packed_blocks, process_share
 
     args = stream_args(train_file=stream_corpus["train"], validation_file=stream_corpus["validation"])
     tokenizer = AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
@@ -127,7 +127,7 @@ def test_loader_resumes_at_every_batch(stream_corpus, tmp_path, workers):
     from torchdata.stateful_dataloader import StatefulDataLoader
     from transformers import AutoTokenizer, default_data_collator
 
-    from common.streaming import StreamingLoader, packed_blocks
+    from common.features.streaming import StreamingLoader, packed_blocks
 
     accelerator, tokenizer = Accelerator(cpu=True), AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
     docs = load_dataset("json", data_files=[stream_corpus["part0"], stream_corpus["part1"]], streaming=True)["train"]
@@ -196,7 +196,7 @@ def test_position_saved_by_another_process_count_is_refused(tmp_path, capsys):
     from accelerate import Accelerator
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from common.streaming import StreamingLoader
+    from common.features.streaming import StreamingLoader
 
     stream = StreamingLoader(Accelerator(cpu=True), StatefulDataLoader([{"input_ids": [i]} for i in range(8)]))
     with pytest.raises(SystemExit) as missing:

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from common.flags import ArgumentParser  # noqa: E402
-from common.chunked_loss import CHUNK_TOKENS  # noqa: E402
+from common.features.chunked_loss import CHUNK_TOKENS  # noqa: E402
 from common.errors import fail  # noqa: E402
-from common.modeling import PRESETS  # noqa: E402
+from common.inputs.modeling import PRESETS  # noqa: E402
 
 GB = 1e9
 HEADROOM = 0.9
@@ -89,7 +89,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.modeling import load_config
+    from common.inputs.modeling import load_config
 
     config = load_config(argparse.Namespace(model_name_or_path=None, config_name=args.config_name,
                                             model_preset=args.model_preset))

@@ -18,7 +18,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from common.errors import fail
-from common.modeling import outside_zero3
+from common.export import use_tokenizer_special_tokens
+from common.guard import weights_are_finite
+from common.inputs.modeling import outside_zero3
+from common.paths import MERGED_DIR
+from common.upstream import prepared_models, save_state_pre_hooks
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 
@@ -72,8 +76,6 @@ def base_model_kwargs(args: argparse.Namespace, accelerator: Accelerator, task_t
     and with --load_in_4bit quantized by bitsandbytes, one whole copy per process (`device_map` its own device;
     "auto" would spread one copy over every GPU of the node, which DDP cannot train).
     """
-    if not args.use_peft:
-        return {"dtype": torch.float32}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     if not args.load_in_4bit:
         return {"dtype": dtype}
@@ -100,14 +102,12 @@ def add_adapter(args: argparse.Namespace, accelerator: Accelerator, model, task_
     Called once per run, before `prepare`; a resumed run gets its trained adapter back from the checkpoint
     (`accelerator.load_state`), never a second wrap. Registers the checkpoint hooks below.
     """
-    if not args.use_peft:
-        return model
     from peft import get_peft_model
 
     if args.load_in_4bit:
         keep_4bit_layout(model)
     model = get_peft_model(model, lora_config(args, task_type))
-    if keep_only_trainable_weights not in accelerator._save_model_state_pre_hook.values():  # once per accelerator
+    if keep_only_trainable_weights not in save_state_pre_hooks(accelerator):  # once per accelerator
         accelerator.register_save_state_pre_hook(keep_only_trainable_weights)
         accelerator.register_load_state_pre_hook(load_trainable_weights)
     return model
@@ -189,3 +189,85 @@ def merge_adapter(model_class, base_path: str, adapter_dir: str, **load_kwargs):
     with outside_zero3():
         base = model_class.from_pretrained(base_path, dtype="auto", **load_kwargs)
         return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+
+
+def add_peft_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA / QLoRA with peft (TRL's flag names), for both fine-tuning scripts (docs/lora.md)."""
+    g = parser.add_argument_group("LoRA / QLoRA (peft)")
+    g.add_argument("--use_peft", action="store_true",
+                   help="Train a LoRA adapter on the frozen base model instead of all its weights.")
+    g.add_argument("--lora_r", type=int, default=16, help="LoRA rank.")
+    g.add_argument("--lora_alpha", type=int, default=32, help="LoRA scale numerator: the update is scaled by alpha/r.")
+    g.add_argument("--lora_dropout", type=float, default=0.05, help="Dropout on the adapter's input.")
+    g.add_argument("--lora_target_modules", nargs="+", default=["all-linear"],
+                   help="Names of the modules to adapt (a name matches a full module path or its end); all-linear: "
+                        "every linear layer but the output head.")
+    g.add_argument("--load_in_4bit", action="store_true",
+                   help="QLoRA: the frozen base quantized to 4 bits (bitsandbytes); needs --use_peft.")
+    g.add_argument("--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"), help="The 4-bit data type.")
+    g.add_argument("--use_bnb_nested_quant", action="store_true",
+                   help="Quantize the 4-bit blocks' scales too (double quantization: ~0.4 bit per weight less).")
+    g.add_argument("--merge_adapter", action="store_true",
+                   help="Also write output_dir/merged: the adapter merged into a full-precision copy of the base.")
+
+
+def check_peft_flags(args: argparse.Namespace) -> None:
+    """The LoRA / QLoRA group (`add_peft_args`); --lora_target_modules is checked against the model
+    in `check_adapter_targets`."""
+    if args.load_in_4bit and not args.use_peft:
+        fail("--load_in_4bit needs --use_peft: a 4-bit base cannot be trained, QLoRA trains a LoRA adapter on it")
+    if args.merge_adapter and not args.use_peft:
+        fail("--merge_adapter needs --use_peft: without it the run trains the whole model, no adapter to merge")
+    if not args.use_peft:
+        return
+    if args.lora_r < 1 or args.lora_alpha <= 0:
+        fail(f"--lora_r must be >= 1 and --lora_alpha > 0 (got {args.lora_r} and {args.lora_alpha})")
+    if not 0 <= args.lora_dropout < 1:
+        fail(f"--lora_dropout must be in [0, 1) (got {args.lora_dropout})")
+    if "all-linear" in args.lora_target_modules and len(args.lora_target_modules) > 1:
+        fail("--lora_target_modules all-linear already takes every linear layer: give it alone or list names")
+    for flag in ("freeze_embeddings", "freeze_layers"):
+        if getattr(args, flag):
+            fail(f"--{flag} does nothing with --use_peft: the whole base model is frozen, only the adapter trains")
+
+
+def check_vocab_size(config, vocab_size: int) -> None:
+    """New tokens' embeddings would stay untrained under a frozen base: the model's own tokenizer only."""
+    if vocab_size > config.vocab_size:
+        fail(f"the tokenizer has {vocab_size} tokens, the model {config.vocab_size}: with --use_peft the new tokens' "
+             "embeddings would stay untrained (the base is frozen); use the model's own tokenizer")
+
+
+def export_adapter(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
+    """`common.export.export_model` for a LoRA run: adapter_config.json + adapter_model.safetensors (for
+    `PeftModel.from_pretrained`) and the tokenizer; False (nothing written) when a weight is not finite. Collective."""
+    if not weights_are_finite(accelerator, [model], f"the adapter to {output_dir}"):
+        return False
+    accelerator.wait_for_everyone()
+    state_dict = adapter_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+    return True
+
+
+def export_merged_model(accelerator: Accelerator, tokenizer, output_dir: str, model_class, base_path: str,
+                        **load_kwargs) -> None:
+    """--merge_adapter: the adapter exported in `output_dir` merged into a full-precision copy of the base (see
+    `merge_adapter`), written to `output_dir/merged`, loadable with the model class alone. The main process does
+    it; the others wait."""
+    if accelerator.is_main_process:
+        merged = merge_adapter(model_class, base_path, output_dir, **load_kwargs)
+        use_tokenizer_special_tokens(merged, tokenizer)
+        merged.save_pretrained(os.path.join(output_dir, MERGED_DIR), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(output_dir, MERGED_DIR))
+    accelerator.wait_for_everyone()
+
+
+def frozen_base_left_out(accelerator: Accelerator, loading: bool) -> dict:
+    """`save_state`/`load_state` arguments: DeepSpeed writes a LoRA run's frozen base into every checkpoint unless
+    told not to; the base comes from the pretrained model at every start (other engines: `keep_only_trainable_weights`)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not any(map(is_peft_model, prepared_models(accelerator))):
+        return {}
+    return {"load_module_strict": False} if loading else {"exclude_frozen_parameters": True}

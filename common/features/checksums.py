@@ -11,6 +11,7 @@ at resume time; the shares are gathered, so every process reaches the same verdi
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import xxhash
@@ -114,3 +115,13 @@ def verify(folder: str, accelerator: Accelerator | None = None) -> tuple[bool, s
             if (found := file_problem(folder, name, files[name]))]
     problems = sorted(gather_object(mine) if count > 1 else mine)
     return True, problems[0][1] if problems else None
+
+
+def verify_checkpoint(path: str, accelerator: Accelerator | None) -> str | None:
+    """The first problem of a checkpoint's files, or None (`CheckpointExtras.verify`); a checkpoint with nothing to
+    check against (saved before markers recorded files, or without a marker) passes with a warning line."""
+    verified, problem = verify(path, accelerator)
+    if not verified and problem is None and (accelerator is None or accelerator.is_main_process):
+        logging.getLogger(__name__).warning(f"{path} records no file sizes or checksums (saved by an older version, "
+                                            "or not marked complete): resuming it unverified")
+    return problem

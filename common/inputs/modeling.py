@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -13,8 +11,8 @@ from accelerate.logging import get_logger
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
-from common.chunked_loss import check_chunked_loss, use_chunked_loss
-from common.errors import fail
+from common.errors import fail, from_pretrained_or_fail
+from common.upstream import registered_zero3_config
 
 logger = get_logger(__name__)
 
@@ -42,33 +40,6 @@ MOE_PRESETS = {
 PRESETS = tuple(LLAMA_PRESETS) + tuple(MOE_PRESETS)
 
 
-def missing_local_path(name: str) -> bool:
-    """A name that can only mean a local path (absolute, `./`, `~`, or inside an existing folder), and is missing;
-    other names may be hub ids (`org/model`)."""
-    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.isdir(os.path.dirname(name))
-    return looks_local and not os.path.exists(os.path.expanduser(name))
-
-
-def from_pretrained_or_fail(load: Callable, name: str, flag: str):
-    """`load(name)` (a `from_pretrained`); a missing folder, a broken config.json or an unknown hub id is one line.
-
-    transformers takes a path that does not exist for a hub id and answers "Repo id must be in the form ...".
-    """
-    try:
-        return load(name)
-    except (OSError, ValueError) as e:
-        config_file = os.path.join(name, "config.json")
-        if os.path.isfile(config_file):
-            try:
-                with open(config_file, encoding="utf-8") as f:
-                    json.load(f)
-            except ValueError as bad:
-                fail(f"{flag} {name}: {config_file} is not valid JSON ({bad})")
-        if missing_local_path(name):
-            fail(f"{flag} {name}: no such folder")
-        fail(f"{flag} {name}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
-
-
 def load_config(args: argparse.Namespace) -> PretrainedConfig:
     """The model's config, cheaply (no weights), so that flags can be checked against it before any heavy work."""
     if args.model_name_or_path:
@@ -78,16 +49,12 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
     else:
         preset = args.model_preset or "tiny"
         config = MixtralConfig(**MOE_PRESETS[preset]) if preset in MOE_PRESETS else LlamaConfig(**LLAMA_PRESETS[preset])
-    if getattr(args, "chunked_cross_entropy", False):
-        check_chunked_loss(config)
     return config
 
 
 def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
     """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
     config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
-    if getattr(args, "chunked_cross_entropy", False):
-        check_chunked_loss(config)
     if args.freeze_layers > config.num_hidden_layers:
         fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -105,15 +72,12 @@ def check_block_size(config: PretrainedConfig, block_size: int) -> None:
 def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_size: int,
                     **load_kwargs) -> PreTrainedModel:
     """Pretrained weights when --model_name_or_path is given, else a fresh model from `config`; fp32 unless
-    `load_kwargs` (`from_pretrained` arguments, see common/adapters.py) say otherwise.
+    `load_kwargs` (`from_pretrained` arguments, see common/features/lora.py) say otherwise.
 
     Weights are loaded here, before any torch.compile, so compiled and exported models hold the same keys.
     """
     kwargs = {"attn_implementation": args.attn_implementation, "dtype": torch.float32, **load_kwargs}
     if args.model_name_or_path:
-        if getattr(args, "use_peft", False) and vocab_size > config.vocab_size:
-            fail(f"the tokenizer has {vocab_size} tokens, the model {config.vocab_size}: with --use_peft the new "
-                 "tokens' embeddings would stay untrained (the base is frozen); use the model's own tokenizer")
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, **kwargs)
         if vocab_size > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(vocab_size)
@@ -122,8 +86,6 @@ def build_causal_lm(args: argparse.Namespace, config: PretrainedConfig, vocab_si
         model = build_from_config(config, **kwargs)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if getattr(args, "chunked_cross_entropy", False):
-        use_chunked_loss(model)
     return model
 
 
@@ -214,8 +176,7 @@ def outside_zero3() -> Iterator[None]:
     """
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    reference = hf_deepspeed._hf_deepspeed_config_weak_ref  # what `is_deepspeed_zero3_enabled()` reads
-    config = reference() if reference is not None else None
+    config = registered_zero3_config()
     hf_deepspeed.unset_hf_deepspeed_config()
     try:
         yield

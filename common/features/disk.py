@@ -7,6 +7,8 @@ import errno
 import os
 import shutil
 
+from common.checkpoint import complete_checkpoints
+from common.errors import fail
 from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -50,3 +52,12 @@ def mount_point(path: str) -> str:
     while not os.path.ismount(path):
         path = os.path.dirname(path)
     return path
+
+
+def stop_if_disk_full(exc: BaseException, partial: str, step: int) -> None:
+    """`CheckpointExtras.explain_failed_save`: a save that failed on a full disk stops the run with one line, its
+    partial folder removed and the previous checkpoints untouched; any other error is left to propagate."""
+    if disk_refuses_writes(exc, partial):
+        shutil.rmtree(partial, ignore_errors=True)
+        output_dir = os.path.dirname(os.path.dirname(partial))  # <output_dir>/checkpoints/.tmp-step_N
+        fail(disk_full_message(output_dir, step, complete_checkpoints(output_dir)))

@@ -22,13 +22,15 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from accelerate.logging import get_logger
+
+from common.guard import STOPPED_STATUS
 
 logger = get_logger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-STOPPED_STATUS = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _received: list[str] = []  # names of the stop signals this process got
 
@@ -37,14 +39,16 @@ def _record(signum: int, frame) -> None:  # a signal handler: record only, act a
     _received.append(signal.Signals(signum).name)
 
 
-def catch_stop_signals() -> None:
-    """From now on SIGTERM/SIGINT/SIGUSR1 end the run after the current optimizer step, with a checkpoint.
+def catch_stop_signals() -> Callable[[], bool]:
+    """From now on SIGTERM/SIGINT/SIGUSR1 end the run after the current optimizer step, with a checkpoint; returns
+    `stop_signalled`, for the divergence guard to share with every rank (`guard.stop_signalled`).
 
     Call it just before the training loop: before it there is nothing to save, so a signal stops at once.
     """
     if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
         for sig in STOP_SIGNALS:
             signal.signal(sig, _record)
+    return stop_signalled
 
 
 def stop_when_launcher_dies() -> None:

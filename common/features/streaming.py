@@ -2,7 +2,7 @@
 
 Nothing is tokenized up front and nothing goes to the datasets cache. Each process takes its own share of the
 documents (whole shards when their number divides by the process count, else every N-th document), tokenizes and
-packs it with the map-style path's functions (`common/data.py`), and batches it with torchdata's
+packs it with the map-style path's functions (`common/inputs/data.py`), and batches it with torchdata's
 StatefulDataLoader. One pass over a process's share is one epoch of that process. Documents come in stream order,
 every pass: `datasets` does not checkpoint a shuffle buffer's content (a resume would drop it), so there is no
 shuffle buffer; shuffle the corpus beforehand.
@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
-from common.data import block_packer, build_default_corpus, data_format, document_tokenizer, get_tokenizer
+from common.inputs.data import block_packer, build_default_corpus, data_format, document_tokenizer, get_tokenizer
 from common.errors import fail
 
 TOKENIZER_SAMPLE_DOCUMENTS = 10_000  # a tokenizer trained here learns from the stream's first documents
@@ -174,3 +174,14 @@ def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resu
         **loader_kwargs))
     eval_loader = DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
     return tokenizer, train_loader, eval_loader
+
+
+def add_streaming_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument_group("streaming").add_argument(
+        "--streaming", action="store_true",
+        help="Read the corpus as a stream: tokenized and packed on the fly, no cache; needs --max_steps.")
+
+
+def check_streaming_flags(args: argparse.Namespace) -> None:
+    if args.streaming and args.max_steps <= 0:
+        fail("--streaming needs --max_steps: a stream has no length to count epochs in")

@@ -14,7 +14,6 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
 from common.errors import fail, fail_on_every_rank
-from common.flags import ADAPTER_FLAGS
 from common.paths import COMPLETE_MARKER, RUN_RECORD, TOKENIZER_DIR
 
 logger = get_logger(__name__)
@@ -26,6 +25,9 @@ SHARED_DATA_FLAGS = ("dataset_name", "dataset_config_name", "text_column", "max_
 # after the restore): recorded to say, in one line, which ones a resume changes.
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
                    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")
+# The LoRA settings a checkpoint was trained with (common/features/lora.py): a resume must keep them.
+ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
+                 "bnb_4bit_quant_type", "use_bnb_nested_quant")
 MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
 
@@ -74,6 +76,10 @@ class RunRecord:
         """What is known once the data is loaded: the tokenizer (saved with each checkpoint) and the epoch length."""
         self.tokenizer = tokenizer
         self.fields.update(tokenizer=tokenizer_fingerprint(tokenizer), steps_per_epoch=steps_per_epoch)
+
+    def check(self, path: str) -> None:
+        """Before a resume loads `path`: stop with one line at the first field this run contradicts."""
+        check_run_record(path, self.fields)
 
     def write(self, path: str) -> None:
         """Into a checkpoint folder (main process): run.json and the tokenizer."""

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from common.paths import TOKENIZER_DIR
 from common.errors import fail
-from common.modeling import from_pretrained_or_fail
+from common.inputs.modeling import from_pretrained_or_fail
 
 logger = get_logger(__name__)
 

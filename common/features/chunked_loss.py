@@ -15,6 +15,7 @@ labels returns the loss and no logits; without labels (evaluation, generation) t
 
 from __future__ import annotations
 
+import argparse
 import types
 
 import torch
@@ -74,3 +75,9 @@ def _head_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None
                                         ignore_index=-100, options=OPTIONS)
     count = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
     return losses.float().sum() / count
+
+
+def add_chunked_loss_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument_group("chunked cross-entropy").add_argument(
+        "--chunked_cross_entropy", action="store_true",
+        help="LM head and loss over chunks of tokens: the full logits are never materialised.")

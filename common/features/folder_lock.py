@@ -1,0 +1,40 @@
+"""One live run per output folder: an exclusive lock held for the run's life, so a second run started in the same
+--output_dir (a double submit, a requeue racing the old job) is refused in one line before it writes anything."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from typing import IO
+
+from common.errors import fail
+from common.paths import LOCK_FILE
+
+_held_locks: dict[str, IO] = {}  # open for the process's life: the kernel drops the lock when the process dies
+
+
+def lock_output_dir(output_dir: str, is_main_process: bool = True) -> None:
+    """Hold an exclusive `flock` on <output_dir>/.lock until this process ends (also by SIGKILL or a crash: the kernel
+    releases it, so no stale lock is ever left). On NFS, Linux maps flock to POSIX locks across nodes; Lustre needs
+    the `flock` mount option."""
+    if not is_main_process:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    key = os.path.realpath(output_dir)
+    if key in _held_locks:  # this process already holds it (e.g. another --auto_find_batch_size attempt)
+        return
+    lock = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        fail(f"--output_dir {output_dir} is in use by a live run ({holder}); wait for it to end or choose another "
+             "--output_dir")
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    _held_locks[key] = lock

@@ -1,0 +1,69 @@
+"""The run's lifecycle in one place, in an order the code enforces.
+
+    run = RunLifecycle(accelerator, output_dir, overwrite_output_dir, resume_from, extras)  # before any heavy work
+    ... data, model, optimizer, accelerator.prepare(...) ...
+    progress, log, guard = run.start(...)   # after prepare: restore the checkpoint, trackers, step log, guard
+    ... the loop, which the recipe owns ...
+    finish(accelerator)                     # after the function holding the prepared model has returned
+
+`start` needs the lifecycle (so the folder is claimed first) and runs once; the objects the loop needs come only
+from it (so the checkpoint is restored before the step log and the guard read the step).
+"""
+
+from __future__ import annotations
+
+import gc
+
+from accelerate import Accelerator
+
+from common.checkpoint import CheckpointExtras, resume
+from common.guard import NonFiniteGuard
+from common.metrics import StepLog
+from common.output_dir import prepare_output_dir
+from common.steps import TrainingProgress, track_progress
+
+
+class RunLifecycle:
+    """Claims --output_dir when created (see `prepare_output_dir`); `start` sets up the loop's objects."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: str, overwrite_output_dir: bool, resume_from: str | None,
+                 extras: CheckpointExtras | None = None) -> None:
+        self.accelerator, self.output_dir, self.resume_from = accelerator, output_dir, resume_from
+        self.extras = extras or CheckpointExtras()
+        self.started = False
+        prepare_output_dir(accelerator, output_dir, overwrite_output_dir)
+
+    def start(self, total_steps: int, steps_per_epoch: int | None, logging_steps: int, max_nonfinite_steps: int,
+              trackers: tuple[str, dict] | None = None, flops_per_token: float | None = None,
+              progress: TrainingProgress | None = None) -> tuple[TrainingProgress, StepLog, NonFiniteGuard]:
+        """After `accelerator.prepare`: restore the checkpoint (if resuming), start the trackers (`(project, config)`,
+        None: none), and return the step counter, the step log and the divergence guard, all at the restored step.
+
+        `progress`: a step counter already registered with this accelerator (a retry with a smaller batch reuses it:
+        accelerate saves every registered object), else a new one."""
+        if self.started:
+            raise RuntimeError("RunLifecycle.start() runs once per run")
+        self.started = True
+        accelerator = self.accelerator
+        progress = progress or track_progress(accelerator)
+        resume(accelerator, self.resume_from, progress, self.extras)
+        if trackers:  # trackers reject None and lists
+            project, config = trackers
+            accelerator.init_trackers(project, config={k: v for k, v in config.items()
+                                                       if isinstance(v, (int, float, str, bool))})
+        log = StepLog(accelerator, self.output_dir, progress.step, total_steps, steps_per_epoch, logging_steps,
+                      flops_per_token=flops_per_token)
+        return progress, log, NonFiniteGuard(accelerator, progress, max_nonfinite_steps)
+
+
+def finish(accelerator: Accelerator) -> None:
+    """End trackers and the process group once the script's models are gone.
+
+    Call it after the function that held the prepared model has returned (also when it returned early: a stop
+    signal, a diverged run): a DDP model still alive when the gloo group is destroyed makes the process abort at exit
+    now and then.
+    """
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

@@ -1,0 +1,68 @@
+"""Every use of an upstream package's private attributes, in one place: each says the version it was written for and
+why no public API serves; tests/test_upstream.py fails when a pinned version changes or the missing public API
+appears, so a workaround is re-checked and removed, never carried forever."""
+
+from __future__ import annotations
+
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType
+
+# The versions these workarounds were written and tested for (requirements.txt pins them).
+WRITTEN_FOR = {"accelerate": "1.15.0", "transformers": "5.23.0", "torch": "2.13.0"}
+
+
+def prepared_models(accelerator: Accelerator) -> list:
+    """The models `prepare` returned (accelerate 1.15: held in `_models`; no public accessor)."""
+    return accelerator._models
+
+
+def prepared_optimizers_and_schedulers(accelerator: Accelerator) -> tuple[list, list]:
+    """The torch optimizers and schedulers inside what `prepare` returned (accelerate 1.15: `_optimizers`,
+    `_schedulers`; no public accessor)."""
+    return ([getattr(o, "optimizer", o) for o in accelerator._optimizers],
+            [getattr(s, "scheduler", s) for s in accelerator._schedulers])
+
+
+def set_last_lr(scheduler, lrs: list[float]) -> None:
+    """What `get_last_lr()` returns after a resume recomputed the rates (torch 2.13 LRScheduler: no setter)."""
+    scheduler._last_lr = lrs
+
+
+def save_state_pre_hooks(accelerator: Accelerator) -> list:
+    """The hooks `register_save_state_pre_hook` registered (accelerate 1.15: no accessor), so one registers once."""
+    return list(accelerator._save_model_state_pre_hook.values())
+
+
+def open_progress_bars() -> list:
+    """tqdm's open bars (tqdm keeps them in `_instances`; no public accessor), closed before a last error line."""
+    from tqdm import tqdm
+
+    return list(getattr(tqdm, "_instances", ()))
+
+
+def use_fsdp_everywhere(accelerator: Accelerator) -> None:
+    """accelerate 1.15 turns FSDP into DDP when built with `cpu=True`: mark both state singletons FSDP (the
+    accelerator's state and the shared PartialState that dataloader preparation and collectives read)."""
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+
+
+def keep_used_weight_conversions(model) -> None:
+    """Let `save_pretrained` undo only the key conversions that loading the model applied.
+
+    transformers 5.23 reverts a model's recorded key conversions (`_weight_conversions`) when saving. Its ZeRO-3
+    loading path records every conversion known for the model type, used or not (the other path keeps the used ones),
+    so a ZeRO-3 export of BERT had the legacy names `LayerNorm.gamma/beta` instead of `LayerNorm.weight/bias`.
+    """
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
+
+
+def registered_zero3_config():
+    """transformers 5.23's registered DeepSpeed config (`_hf_deepspeed_config_weak_ref`, what
+    `is_deepspeed_zero3_enabled()` reads; no public getter), or None."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
+    return reference() if reference is not None else None
