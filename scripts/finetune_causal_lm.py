@@ -26,7 +26,7 @@ import os
 import sys
 import textwrap
 import time
-from functools import partial
+from functools import partial  # feature: lora
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,7 +34,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening
+from transformers import AutoModelForCausalLM  # feature: lora
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from common.accumulation import (backward_loss, check_loss_honours_num_items, count_label_tokens,
                                  router_aux_loss_coefficient)

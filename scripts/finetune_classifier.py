@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import time
-from functools import partial
+from functools import partial  # feature: lora
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

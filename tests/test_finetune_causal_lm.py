@@ -280,3 +280,21 @@ def test_resume_with_length_grouped_batches_continues_the_run(sft):
                        "--resume_from_checkpoint", f"{full}/checkpoints/step_5")
     assert train_losses(resumed) == pytest.approx({s: v for s, v in train_losses(full).items() if s > 5}, abs=1e-6)
     assert max_difference(weights(resumed), weights(full)) < 1e-6
+
+
+def test_a_copy_without_its_features_trains_exactly_as_the_original(sft, tmp_path):
+    """tools/copy_recipe.py removes every `# feature:` line (LoRA, chunked loss, checksums, ...): the copy imports
+    no feature and trains bit for bit as the original does without those flags."""
+    from tools.copy_recipe import common_modules, strip_features
+
+    copy = tmp_path / "my_sft.py"
+    copy.write_text(strip_features(open(os.path.join(SCRIPTS, "finetune_causal_lm.py")).read()))
+    assert not any(".features" in name for name in common_modules(copy.read_text()))
+    original = finetune(sft, str(tmp_path / "original"), "--gradient_accumulation_steps", "2")
+    run_script(str(copy), "--model_name_or_path", sft["model"], "--train_file", sft["train"],
+               "--validation_file", sft["validation"], "--output_dir", str(tmp_path / "copy"), "--max_steps", "3",
+               "--learning_rate", LR, "--logging_steps", "1", "--seed", "0", "--gradient_accumulation_steps", "2",
+               env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
+    assert train_losses(str(tmp_path / "copy")) == train_losses(original)
+    assert max_difference(weights(str(tmp_path / "copy")), weights(original)) == 0
+

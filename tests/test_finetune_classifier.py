@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import launcher, read_metrics, run_script
+from conftest import SCRIPTS, launcher, read_metrics, run_script
 from safetensors.torch import load_file
 
 POSITIVE = "wonderful delightful excellent brilliant superb charming lovely great enjoyable fantastic".split()
@@ -203,3 +203,23 @@ def test_pretrained_minilm_reaches_high_accuracy(tmp_path):
         config = json.load(f)
     assert config["id2label"] == {"0": "negative", "1": "positive"}
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+
+
+def test_a_copy_without_its_features_trains_exactly_as_the_original(tiny, dynamic_run, tmp_path):
+    """tools/copy_recipe.py removes every `# feature:` line: the copy imports no feature and trains bit for bit as
+    the original does without those flags."""
+    from safetensors.torch import load_file
+
+    from tools.copy_recipe import common_modules, strip_features
+
+    copy = tmp_path / "my_classifier.py"
+    copy.write_text(strip_features(open(os.path.join(SCRIPTS, "finetune_classifier.py")).read()))
+    assert not any(".features" in name for name in common_modules(copy.read_text()))
+    run_script(str(copy), "--model_name_or_path", tiny["model"], "--train_file", tiny["train"], "--validation_file",
+               tiny["validation"], "--output_dir", str(tmp_path / "copy"), "--logging_steps", "1", "--seed", "0",
+               *TINY_TRAINING, env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
+    losses = [[r.get("loss") for r in read_metrics(out)] for out in (str(tmp_path / "copy"), dynamic_run)]
+    assert losses[0] and losses[0] == losses[1]
+    copied, original = (load_file(os.path.join(d, "model.safetensors")) for d in (str(tmp_path / "copy"), dynamic_run))
+    assert max_difference(copied, original) == 0
+

@@ -7,12 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics, run_script, train_losses
+
+ROOT_PATH = Path(ROOT)
 
 
 def pretrain_args(corpus, tmp_path, output: str, *extra: str) -> list[str]:
@@ -116,11 +119,15 @@ def test_moe_preset_trains_in_bf16_and_exports_a_mixtral(corpus, tmp_path):
 
 
 def test_a_copied_script_runs_from_anywhere_and_trains_the_same(corpus, tmp_path):
-    """The README's way to adapt a script: copy it anywhere, keep the repository on PYTHONPATH. The copy trains the
-    same as the original; with --gradient_checkpointing the export still generates with a KV cache."""
+    """The README's way to adapt a script: copy it anywhere, keep the repository on PYTHONPATH, delete the features'
+    marked lines (tools/copy_recipe.py). The copy, importing no feature, trains the same as the original; with
+    --gradient_checkpointing the export still generates with a KV cache."""
+    from tools.copy_recipe import common_modules, strip_features
+
     copy = tmp_path / "elsewhere" / "my_pretrain.py"
     copy.parent.mkdir()
-    shutil.copy(os.path.join(ROOT, "scripts", "pretrain_llama.py"), copy)
+    copy.write_text(strip_features((ROOT_PATH / "scripts" / "pretrain_llama.py").read_text()))
+    assert not any(".features" in name for name in common_modules(copy.read_text()))
     args = pretrain_args(corpus, tmp_path, "copy", "--max_steps", "3", "--gradient_checkpointing")
     proc = subprocess.run([sys.executable, str(copy), *args], cwd=copy.parent, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
