@@ -27,12 +27,13 @@ from accelerate import PartialState
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import default_data_collator, get_scheduler, set_seed
 
-from common.inputs.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.errors import fail
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
-from common.metrics import (MetricsWriter, Throughput, flops_per_token, peak_flops_per_device, peak_memory_bytes,
+from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, peak_memory_bytes,
                             write_all_results)
-from common.inputs.modeling import PRESETS, build_causal_lm, check_block_size, count_parameters, load_config
+from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
+                                    load_config)
 from common.optim import create_optimizer
 from common.runtime import use_all_cores
 from common.flags import check_common_flags
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Ignored (no sample here).")
     args = parser.parse_args(argv)
     check_common_flags(args)
+    check_data_files(args.train_file, args.validation_file)
     if args.streaming:
         fail("--streaming is a scripts/pretrain_llama.py feature; this reference loop reads the map-style corpus")
     return args

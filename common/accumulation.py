@@ -1,19 +1,12 @@
 """The exact loss of one optimizer step: the token mean over the whole accumulation window on all processes.
 
-A model's own loss is the mean over *its micro-batch's* real tokens. Averaging those over micro-batches (the usual
-`loss / gradient_accumulation_steps`) and over processes (DDP's gradient mean) weights every micro-batch equally, not
-every token: wrong whenever micro-batches hold different numbers of real tokens (padding, masked prompts).
-The fix, as in the transformers Trainer and accelerate's gradient-accumulation guide:
-
-1. load the window's micro-batches ahead (`accumulation_windows`);
-2. count its real label tokens over all processes (`count_label_tokens`), after the causal shift;
-3. pass the count as `num_items_in_batch`, so the model's loss is a sum divided by the window's count;
-4. multiply by `gradient_accumulation_steps * num_processes` (`backward_loss`) to cancel accelerate's
-   division by the accumulation steps and the data-parallel gradient mean (DDP, DeepSpeed, FSDP).
-
-Step 4 is right only for a model whose loss honours `num_items_in_batch`; one that ignores it (a custom model, or a
-loss that does not take it) would train with gradients that many times too large. `check_loss_honours_num_items`
-stops such a run before its first optimizer step.
+Averaging micro-batch means (`loss / gradient_accumulation_steps`, then DDP's gradient mean) weights every micro-batch
+equally, not every token: wrong whenever micro-batches hold different numbers of real tokens (padding, masked
+prompts). As in the transformers Trainer: load the window ahead (`accumulation_windows`), count its label tokens on
+all processes (`count_label_tokens`), pass the count as `num_items_in_batch` (the loss becomes a sum over that count),
+and multiply by accumulation x processes (`backward_loss`) to cancel accelerate's and the data-parallel averaging.
+That is right only for a model whose loss honours `num_items_in_batch`: `check_loss_honours_num_items` stops any
+other before its first step (its gradients would be that many times too large).
 """
 
 from __future__ import annotations

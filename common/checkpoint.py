@@ -1,13 +1,10 @@
-"""Resumable checkpoints: save (accelerate `save_state`, at optimizer-step boundaries, crash-safe), find the one to
-resume, and restore it.
+"""Resumable checkpoints: save (accelerate `save_state`, at optimizer-step boundaries), find one, restore it.
 
 Crash safety: a checkpoint is written under a temporary name (`checkpoints/.tmp-step_N`), marked complete once every
 process has finished writing, and published by renaming the folder, so a kill at any moment leaves either a complete
 `checkpoints/step_N` or a `.tmp-` leftover that no resume ever picks and the next start removes.
 
-Optional features add to a checkpoint through `CheckpointExtras`, which the recipe passes (the core never imports
-them): the resume guard's run.json, the checksums a resume verifies, the full-disk diagnosis, LoRA's adapter-only
-states (common/features/).
+Optional features (common/features/) add to checkpoints through the `CheckpointExtras` the recipe passes.
 """
 
 from __future__ import annotations
@@ -25,13 +22,11 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from common.errors import fail, fail_on_every_rank
-from common.guard import weights_are_finite
 from common.metrics import count_rows
 from common.optim import keep_this_runs_hyperparameters
 from common.output_dir import discard, fsync_path
 from common.paths import CHECKPOINT_DIR, COMPLETE_MARKER, LEFTOVER_PREFIX, METRICS_FILE, RUN_RECORD
 from common.steps import TrainingProgress
-from common.upstream import prepared_models
 
 logger = get_logger(__name__)
 
@@ -40,6 +35,7 @@ logger = get_logger(__name__)
 class CheckpointExtras:
     """What optional features add to checkpoints; each None adds nothing.
 
+    can_save: collective, before a save: False refuses it, the reason printed (the divergence guard's weight check).
     write: main process, into a finished save before it is published (the resume guard's run.json and tokenizer).
     check: before a resume loads a checkpoint: stops with one line if this run cannot continue it.
     record_files: collective, after the save: the marker's record of file sizes and checksums.
@@ -48,6 +44,7 @@ class CheckpointExtras:
         partial save and stop the run with one line (a full disk), else the exception is raised.
     state_kwargs: `save_state`/`load_state` arguments (`loading` True for a load), e.g. for an adapter-only state.
     """
+    can_save: Callable[[Accelerator, str], bool] | None = None
     write: Callable[[str], None] | None = None
     check: Callable[[str], None] | None = None
     record_files: Callable[[Accelerator, str], dict | None] | None = None
@@ -98,14 +95,14 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     """Save the full training state (model, optimizer, scheduler, RNG, progress) on all ranks, publish it as
     `checkpoints/step_N`, then prune the oldest complete ones beyond `save_total_limit`.
 
-    Returns the checkpoint's folder, or None when a weight is not finite: nothing is saved, the reason is printed,
-    and the run must stop with DIVERGED_STATUS. Collective under DeepSpeed/FSDP: every process must call it. A save
+    Returns the checkpoint's folder, or None when `extras.can_save` refused it (non-finite weights): nothing is
+    saved, the reason is printed, and the run must stop with DIVERGED_STATUS. Collective under DeepSpeed/FSDP: every process must call it. A save
     that fails leaves the previous checkpoints untouched (its partial folder is a leftover the next start removes).
     """
     extras = extras or CheckpointExtras()
     root = os.path.join(output_dir, CHECKPOINT_DIR)
     path, partial = os.path.join(root, f"step_{step}"), os.path.join(root, f"{LEFTOVER_PREFIX}step_{step}")
-    if not weights_are_finite(accelerator, prepared_models(accelerator), f"checkpoint {path}"):
+    if extras.can_save and not extras.can_save(accelerator, f"checkpoint {path}"):
         return None
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from common.upstream import open_progress_bars
@@ -77,23 +76,3 @@ def missing_local_path(name: str) -> bool:
     other names may be hub ids (`org/model`)."""
     looks_local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.isdir(os.path.dirname(name))
     return looks_local and not os.path.exists(os.path.expanduser(name))
-
-
-def from_pretrained_or_fail(load: Callable, name: str, flag: str):
-    """`load(name)` (a `from_pretrained`); a missing folder, a broken config.json or an unknown hub id is one line.
-
-    transformers takes a path that does not exist for a hub id and answers "Repo id must be in the form ...".
-    """
-    try:
-        return load(name)
-    except (OSError, ValueError) as e:
-        config_file = os.path.join(name, "config.json")
-        if os.path.isfile(config_file):
-            try:
-                with open(config_file, encoding="utf-8") as f:
-                    json.load(f)
-            except ValueError as bad:
-                fail(f"{flag} {name}: {config_file} is not valid JSON ({bad})")
-        if missing_local_path(name):
-            fail(f"{flag} {name}: no such folder")
-        fail(f"{flag} {name}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")

@@ -6,20 +6,16 @@ from __future__ import annotations
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from common.guard import weights_are_finite
 from common.upstream import keep_used_weight_conversions
 
 
 def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
-    """Write the model and tokenizer to `output_dir`; False (nothing written, the reason printed) when a weight is not
-    finite.
+    """Write the model and tokenizer to `output_dir`; True (a wrapper may refuse: common/features/divergence.py).
 
     Called on every process: under ZeRO-3/FSDP, gathering the full state dict is collective. The compiled wrapper is
     dropped so the keys carry no `_orig_mod.` prefix. config.json and generation_config.json name the tokenizer's
     special tokens.
     """
-    if not weights_are_finite(accelerator, [model], f"the model to {output_dir}"):
-        return False
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     use_tokenizer_special_tokens(unwrapped, tokenizer)

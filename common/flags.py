@@ -15,7 +15,6 @@ from common.errors import fail, missing_local_path
 from common.paths import METRICS_FILE
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
-DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr", "inverse_sqrt")
 
 
@@ -76,8 +75,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam_beta2", type=float, default=0.95, help="AdamW beta2.")
     g.add_argument("--adam_epsilon", type=float, default=1e-8, help="AdamW epsilon.")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm; 0: no clipping.")
-    g.add_argument("--max_nonfinite_steps", type=int, default=5,
-                   help="Stop (exit status 3) after this many steps in a row with a NaN/inf loss or gradient norm.")
     g.add_argument("--optim", default="adamw_torch", choices=OPTIMIZERS, help="Optimizer.")
     g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS, help="Learning-rate schedule.")
     g.add_argument("--warmup_steps", type=int, default=None, help="Warmup optimizer steps (None: 5%% of the run).")
@@ -116,15 +113,9 @@ def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
 
 
-def data_format(path: str) -> str:
-    """The `datasets` builder that reads a data file (json for both .json and .jsonl)."""
-    return DATA_EXTENSIONS[os.path.splitext(path)[1].lower()]
-
-
 def check_common_flags(args: argparse.Namespace) -> None:
-    """The flags of common/flags.py's model, data and training groups; hub ids are not checked here (they fail at
-    load time with the hub's message)."""
-    check_data_files(args.train_file, args.validation_file)
+    """The flags of the model, data and training groups (the data files: common/inputs/data.py); hub ids are not
+    checked here (they fail at load time with the hub's message)."""
     for name in ("model_name_or_path", "config_name", "tokenizer_name"):
         value = getattr(args, name, None)
         if value and missing_local_path(value):  # else transformers takes it for a hub id with a confusing message
@@ -134,7 +125,7 @@ def check_common_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.validation_split_percentage < 100:  # 100 would leave nothing to train on
         fail(f"--validation_split_percentage must be between 0 and 99 (got {args.validation_split_percentage})")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "logging_steps", "max_nonfinite_steps"):
+                 "logging_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
     for name in ("eval_steps", "checkpointing_steps", "save_total_limit", "max_train_samples", "max_eval_samples"):
@@ -160,25 +151,6 @@ def check_common_flags(args: argparse.Namespace) -> None:
                      "wandb": is_wandb_available}[args.report_to]()
         if not available:
             fail(f"--report_to {args.report_to}: the package is not installed (pip install {args.report_to})")
-
-
-def check_data_files(train_file: str | None, validation_file: str | None) -> None:
-    for flag, path in (("--train_file", train_file), ("--validation_file", validation_file)):
-        if path is None:
-            continue
-        if os.path.isdir(path):
-            fail(f"{flag} {path}: is a folder; pass a file (for a folder of files use --dataset_name {path})")
-        if not os.path.isfile(path):
-            fail(f"{flag} {path}: no such file")
-        if os.path.splitext(path)[1].lower() not in DATA_EXTENSIONS:
-            fail(f"{flag} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
-        if os.path.getsize(path) == 0:
-            fail(f"{flag} {path}: the file is empty")
-    if validation_file and not train_file:
-        fail("--validation_file needs --train_file")
-    if validation_file and data_format(train_file) != data_format(validation_file):
-        fail(f"--train_file {train_file} and --validation_file {validation_file} must have the same format "
-             f"({data_format(train_file)} vs {data_format(validation_file)})")
 
 
 def check_output_dir(args: argparse.Namespace) -> None:

@@ -1,14 +1,7 @@
-"""The run's lifecycle in one place, in an order the code enforces.
-
-    run = RunLifecycle(accelerator, output_dir, overwrite_output_dir, resume_from, extras)  # before any heavy work
-    ... data, model, optimizer, accelerator.prepare(...) ...
-    progress, log, guard = run.start(...)   # after prepare: restore the checkpoint, trackers, step log, guard
-    ... the loop, which the recipe owns ...
-    finish(accelerator)                     # after the function holding the prepared model has returned
-
-`start` needs the lifecycle (so the folder is claimed first) and runs once; the objects the loop needs come only
-from it (so the checkpoint is restored before the step log and the guard read the step).
-"""
+"""The run's lifecycle in one place, in an order the code enforces: `RunLifecycle(...)` claims the output folder before
+any heavy work; `start()`, after `accelerator.prepare`, restores a checkpoint and is the only source of the step
+counter, step log and step check the loop needs (so they start at the restored step); `finish()` runs after the
+function that held the prepared model has returned."""
 
 from __future__ import annotations
 
@@ -17,7 +10,7 @@ import gc
 from accelerate import Accelerator
 
 from common.checkpoint import CheckpointExtras, resume
-from common.guard import NonFiniteGuard
+from common.guard import StepGuard
 from common.metrics import StepLog
 from common.output_dir import prepare_output_dir
 from common.steps import TrainingProgress, track_progress
@@ -33,11 +26,11 @@ class RunLifecycle:
         self.started = False
         prepare_output_dir(accelerator, output_dir, overwrite_output_dir)
 
-    def start(self, total_steps: int, steps_per_epoch: int | None, logging_steps: int, max_nonfinite_steps: int,
+    def start(self, total_steps: int, steps_per_epoch: int | None, logging_steps: int,
               trackers: tuple[str, dict] | None = None, flops_per_token: float | None = None,
-              progress: TrainingProgress | None = None) -> tuple[TrainingProgress, StepLog, NonFiniteGuard]:
+              progress: TrainingProgress | None = None) -> tuple[TrainingProgress, StepLog, StepGuard]:
         """After `accelerator.prepare`: restore the checkpoint (if resuming), start the trackers (`(project, config)`,
-        None: none), and return the step counter, the step log and the divergence guard, all at the restored step.
+        None: none), and return the step counter, the step log and the step check, all at the restored step.
 
         `progress`: a step counter already registered with this accelerator (a retry with a smaller batch reuses it:
         accelerate saves every registered object), else a new one."""
@@ -53,16 +46,12 @@ class RunLifecycle:
                                                        if isinstance(v, (int, float, str, bool))})
         log = StepLog(accelerator, self.output_dir, progress.step, total_steps, steps_per_epoch, logging_steps,
                       flops_per_token=flops_per_token)
-        return progress, log, NonFiniteGuard(accelerator, progress, max_nonfinite_steps)
+        return progress, log, StepGuard(accelerator, progress)
 
 
 def finish(accelerator: Accelerator) -> None:
-    """End trackers and the process group once the script's models are gone.
-
-    Call it after the function that held the prepared model has returned (also when it returned early: a stop
-    signal, a diverged run): a DDP model still alive when the gloo group is destroyed makes the process abort at exit
-    now and then.
-    """
+    """End trackers and the process group, after the function that held the prepared model has returned (also
+    early): a DDP model still alive when the gloo group is destroyed makes the process abort at exit now and then."""
     accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()

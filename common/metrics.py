@@ -23,21 +23,6 @@ logger = get_logger(__name__)
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
-def flops_per_token(config, num_params: int, num_embedding_params: int, seq_len: int) -> float:
-    """Training FLOPs per token as torchtitan / PaLM count them: 6 * non-embedding params + attention 12*L*H*Q*T.
-
-    For a mixture of experts only the experts a token visits count (top-k of the expert MLP weights).
-    """
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dense = num_params - num_embedding_params
-    experts, active = getattr(config, "num_local_experts", 0), getattr(config, "num_experts_per_tok", 0)
-    if experts and active:
-        expert_params = 3 * config.hidden_size * config.intermediate_size * layers * experts
-        dense -= expert_params * (experts - active) // experts
-    return 6 * dense + 12 * layers * heads * head_dim * seq_len
-
-
 def peak_flops_per_device() -> float | None:
     """Dense bf16 peak of this GPU, or None (CPU, or a GPU not in the table): MFU is then not reported."""
     if not torch.cuda.is_available():
@@ -128,16 +113,12 @@ def strict_json(value):
 
 
 class StepLog:
-    """What the training loops log: loss, lr, grad norm, tokens/s, padding, memory (and MFU on known GPUs), with a
-    progress bar.
+    """What the loops log: loss, lr, grad norm, tokens/s, padding, memory (MFU on known GPUs), with a progress bar.
 
-    The loop calls `count_tokens(batch)` for every micro-batch and `step(step, lr, loss, grad_norm)` once per
-    optimizer step, with the step's loss over all processes and its gradient norm as the divergence guard saw them
-    (`common/guard.py`). Token and padding counts stay on the device and are reduced only every `logging_steps` and
-    at the last step, when a row goes to `metrics.jsonl` (main process) and to accelerate's trackers. A row's `loss`
-    is the mean over its steps whose loss was finite (null if none was); `skipped_nonfinite_steps` counts its steps
-    whose loss or gradient norm was not (their updates were skipped), so summing it over the rows of `metrics.jsonl`
-    gives the run's total, across resumes too. Time inside `untimed()` (evaluation, checkpoints) is not training time.
+    `count_tokens(batch)` per micro-batch, `step(step, lr, loss, grad_norm)` per optimizer step (as `common/guard.py`
+    read them). Counts stay on the device until a row is written (every `logging_steps` and at the end). A row's
+    `loss` is the mean over its finite steps; `skipped_nonfinite_steps` counts the others (summed over the rows: the
+    run's total, across resumes). Time inside `untimed()` (evaluation, checkpoints) is not training time.
     """
 
     def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int | None,

@@ -90,9 +90,8 @@ FLAG_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr")
 
 @contextmanager
 def keep_this_runs_hyperparameters(accelerator):
-    """Around `accelerator.load_state`: what the flags set survives the restore; the state is the checkpoint's.
-
-    A checkpoint restores the optimizer's moments and step and the schedule's step, but also its settings: each
+    """Around `accelerator.load_state`: what the flags set survives the restore; the state is the checkpoint's. A
+    checkpoint restores the optimizer's moments and step and the schedule's step, but also its settings: each
     parameter group's weight decay, betas and eps, the schedule's peak learning rate (`base_lrs`) and, under
     DeepSpeed ZeRO-1/2, the gradient clipping. Left so, a resume with a new --learning_rate or --weight_decay would
     train with the old values without a word. Here they are taken before the restore (the optimizer and schedule were

@@ -1,5 +1,4 @@
-"""The output folder: `--overwrite_output_dir` removing the previous run, the leftovers of interrupted saves cleaned
-up, and removals that a kill midway never leaves half done."""
+"""The output folder: `--overwrite_output_dir`, leftovers of interrupted saves, removals a kill never leaves half done."""
 
 from __future__ import annotations
 

@@ -29,9 +29,8 @@ logger = get_logger(__name__)
 
 
 def build_accelerator(args: argparse.Namespace) -> Accelerator:
-    """One Accelerator for every launch: plain python, `accelerate launch` (1..N processes), DeepSpeed, FSDP.
-
-    On machines without CUDA three traps are avoided (measured, see docs/techniques.md "CPU runs"):
+    """One Accelerator for every launch: plain python, `accelerate launch` (1..N processes), DeepSpeed, FSDP. Without
+    CUDA three traps are avoided (measured, see docs/techniques.md "CPU runs"):
     - DDP launched without `cpu=True` starts N *unsynchronised* processes without any error;
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
     - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
@@ -102,11 +101,8 @@ def clip_in_deepspeed_as_flagged(max_grad_norm: float) -> None:
 def process_group_kwargs(timeout_seconds: float, backend: str | None = None) -> InitProcessGroupKwargs:
     """Process-group settings under which a collective that cannot complete fails after `timeout_seconds`.
 
-    accelerate hands them to `torch.distributed.init_process_group`, or under DeepSpeed to
-    `deepspeed.init_distributed`. It passes on only the values that differ from `InitProcessGroupKwargs()`'s own
-    defaults (nccl, 600 s), so exactly 600 s would be dropped and torch's default for gloo (30 min) used: one
-    microsecond more keeps it.
-    """
+    accelerate passes on only values that differ from `InitProcessGroupKwargs()`'s defaults (nccl, 600 s): exactly
+    600 s would be dropped and gloo's default (30 min) used, so one microsecond more keeps it."""
     timeout = timedelta(seconds=timeout_seconds)
     if timeout == InitProcessGroupKwargs().timeout:
         timeout += timedelta(microseconds=1)
@@ -119,16 +115,9 @@ def launched_with_fsdp() -> bool:
 
 
 def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
-    """Make a CPU Accelerator (built with `cpu=True`, so its processes talk over gloo) really use FSDP2.
-
-    accelerate 1.15 drops FSDP when `cpu=True` (the state becomes MULTI_CPU, i.e. DDP); without `cpu=True` each rank
-    would train alone. torch's `fully_shard` itself works on CPU over gloo, so the state is switched here: an FSDP
-    plugin read from the launcher's FSDP_* variables (its no-argument constructor does that), the run's mixed
-    precision applied to it, and the distributed type set on both the accelerator's state and the shared
-    PartialState (separate singletons; the dataloader preparation and the collective helpers read the latter), so
-    every part of accelerate sees FSDP. `prepare` then applies `fully_shard` per wrapped layer class, and
-    `save_state` / `get_state_dict` take the FSDP paths, as on GPUs.
-    """
+    """Make a CPU Accelerator (built with `cpu=True`: gloo) really use FSDP2, which accelerate 1.15 turns into DDP
+    there: an FSDP plugin from the launcher's FSDP_* variables, with the run's precision, and the state marked FSDP
+    (common/upstream.py). `prepare`, `save_state` and `get_state_dict` then take the FSDP paths, as on GPUs."""
     plugin = FullyShardedDataParallelPlugin()
     precision = accelerator.state.mixed_precision
     if precision != "no":

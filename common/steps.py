@@ -64,10 +64,11 @@ def optimizer_step_windows(dataloader, progress: TrainingProgress, steps_per_epo
     """Yield the micro-batches of each optimizer step from `progress.step` to `total_steps`.
 
     `progress.step` is advanced as each window is handed out: while the loop works on a window it holds the number of
-    the step that window completes (the step to log and to checkpoint). `steps_per_epoch` None: a stream.
+    the step that window completes (the step to log and to checkpoint). `steps_per_epoch` None: an unsized loader
+    that keeps its own place and cuts its own windows (common/features/streaming.py's `step_windows`).
     """
     if steps_per_epoch is None:
-        yield from stream_step_windows(dataloader, progress, total_steps, accumulation_steps)
+        yield from dataloader.step_windows(progress, total_steps, accumulation_steps)
         return
     while progress.step < total_steps:
         epoch, done = divmod(progress.step, steps_per_epoch)
@@ -81,25 +82,3 @@ def optimizer_step_windows(dataloader, progress: TrainingProgress, steps_per_epo
         if progress.step != (epoch + 1) * steps_per_epoch:  # else the next pass would resume at the same place
             raise RuntimeError(f"epoch {epoch} ended after optimizer step {progress.step}; "
                                f"{steps_per_epoch} steps per epoch were expected")
-
-
-def stream_step_windows(stream, progress: TrainingProgress, total_steps: int,
-                        accumulation_steps: int) -> Iterator[list[dict]]:
-    """`optimizer_step_windows` for an unsized loader that keeps its own place (`common/streaming.StreamingLoader`).
-
-    Each iteration of `stream` is one pass (the rest of one, after a resume); passes follow each other until
-    `total_steps`. Two passes in a row without a full window mean the stream is too short for one optimizer step.
-    """
-    empty_passes = 0
-    while progress.step < total_steps:
-        windows = 0
-        for window in accumulation_windows(stream, accumulation_steps):
-            windows += 1
-            progress.step += 1
-            yield window
-            if progress.step >= total_steps:
-                return
-        empty_passes = 0 if windows else empty_passes + 1
-        if empty_passes == 2:  # the first may be the finished pass a checkpoint was taken at
-            fail(f"a pass over this process's stream holds fewer than one optimizer step "
-                 f"({stream.batch_size} x {accumulation_steps} accumulation blocks)")

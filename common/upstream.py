@@ -1,6 +1,5 @@
-"""Every use of an upstream package's private attributes, in one place: each says the version it was written for and
-why no public API serves; tests/test_upstream.py fails when a pinned version changes or the missing public API
-appears, so a workaround is re-checked and removed, never carried forever."""
+"""Every use of an upstream package's private attributes, each with the version it was written for and why no public
+API serves; tests/test_upstream.py fails when a pin changes or the public API appears (re-check, then remove it)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, ad
                           check_finetuning_flags)
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.data import build_default_corpus, get_tokenizer, load_raw_datasets
+from common.inputs.data import build_default_corpus, check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
@@ -56,6 +56,8 @@ from common.steps import count_optimizer_steps, optimizer_step_windows
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
+                                        export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
@@ -73,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(parser)
     add_data_args(parser)
     add_training_args(parser)
+    add_divergence_args(parser)  # feature: divergence guard
     add_finetuning_args(parser)
     add_chunked_loss_args(parser)  # feature: chunked loss
     add_peft_args(parser)  # feature: lora
@@ -86,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Concatenate each batch's examples into one row with per-example position ids (no padding).")
     args = parser.parse_args(argv)
     check_finetuning_flags(args)
+    check_data_files(args.train_file, args.validation_file)
+    check_divergence_flags(args)  # feature: divergence guard
     check_peft_flags(args)  # feature: lora
     if args.packing and args.group_by_length:
         fail("--group_by_length saves nothing with --packing (packed batches have no padding)")
@@ -107,6 +112,7 @@ def main() -> None:
     extras = CheckpointExtras()
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    extras.can_save = finite_weights  # feature: divergence guard
     extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     status = train(args, config, accelerator, resume_from, extras)
@@ -176,6 +182,15 @@ def tokenize_sft_rows(batch: dict, tokenizer, max_length: int, messages_column: 
     return out
 
 
+def exporter(args):
+    """How the trained model is written (common/export.py; the features below wrap or replace it)."""
+    export = export_model
+    if args.use_peft:  # feature: lora
+        export = export_adapter  # the adapter alone, in peft's format
+    export = export_if_finite(export)  # feature: divergence guard
+    return export
+
+
 def build_dataloaders(args, accelerator, tokenizer, data):
     """Padded batches (or one packed row per batch with --packing), optionally grouped by length."""
     collate_tokenizer = copy.copy(tokenizer)  # the export keeps the tokenizer's own padding side
@@ -223,13 +238,14 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)
-    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps, args.max_nonfinite_steps,
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("finetune_causal_lm", vars(args)))
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
                 f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
 
     # ---- training loop: the loss is the mean over all response tokens of the step -----------------------------------
+    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()
@@ -277,9 +293,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    export = export_model
-    if args.use_peft:  # feature: lora
-        export = export_adapter
+    export = exporter(args)
     if not export(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
     if args.use_peft and args.merge_adapter:  # feature: lora

@@ -39,7 +39,7 @@ from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, ad
                           check_finetuning_flags)
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.data import get_tokenizer, load_raw_datasets
+from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
                                     load_finetuning_config)
 from common.lifecycle import RunLifecycle, finish
@@ -48,6 +48,8 @@ from common.runtime import build_accelerator
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
+                                        export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(parser)
     add_data_args(parser)
     add_training_args(parser)
+    add_divergence_args(parser)  # feature: divergence guard
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
     # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
@@ -82,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="What --load_best_model_at_end compares.")
     args = parser.parse_args(argv)
     check_finetuning_flags(args)
+    check_data_files(args.train_file, args.validation_file)
+    check_divergence_flags(args)  # feature: divergence guard
     check_peft_flags(args)  # feature: lora
     if args.group_by_length and args.pad_to_max_length:
         fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
@@ -102,6 +107,7 @@ def main() -> None:
     extras = CheckpointExtras()
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    extras.can_save = finite_weights  # feature: divergence guard
     extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
@@ -167,6 +173,15 @@ def tokenize_labelled_rows(batch: dict, tokenizer, text_column: str, pair_column
     return enc
 
 
+def exporter(args):
+    """How the trained model is written (common/export.py; the features below wrap or replace it)."""
+    export = export_model
+    if args.use_peft:  # feature: lora
+        export = export_adapter  # the adapter alone, in peft's format
+    export = export_if_finite(export)  # feature: divergence guard
+    return export
+
+
 def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
     """Batches padded to their longest example (or to max length), optionally grouped by length."""
     collator = DataCollatorWithPadding(tokenizer, padding="max_length" if args.pad_to_max_length else "longest",
@@ -207,16 +222,15 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps, args.max_nonfinite_steps,
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("finetune_classifier", vars(args)), progress=progress)
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; {len(label_names)} "
                 f"labels {label_names}; {len(data['train'])} training examples, {steps_per_epoch} optimizer steps per "
                 f"epoch, {total_steps} in all; global batch "
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes}")
     # ---- training loop: equal-size micro-batches (drop_last), so the mean of their means is the step's mean --------
-    export, best = export_model, BestModel(args.metric_for_best_model)
-    if args.use_peft:  # feature: lora
-        export = export_adapter
+    export, best = exporter(args), BestModel(args.metric_for_best_model)
+    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()

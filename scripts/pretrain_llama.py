@@ -34,17 +34,18 @@ from common.evaluation import evaluate_causal_lm
 from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args, check_common_flags
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
-from common.inputs.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
-from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, full_numel,
-                                    load_config, outside_zero3)
+from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
+                                    full_numel, load_config, outside_zero3)
 from common.lifecycle import RunLifecycle, finish
-from common.metrics import flops_per_token
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
 from common.steps import count_optimizer_steps, optimizer_step_windows
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
+                                        export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(parser, PRESETS)
     add_data_args(parser)
     add_training_args(parser)
+    add_divergence_args(parser)  # feature: divergence guard
     add_chunked_loss_args(parser)  # feature: chunked loss
     add_streaming_args(parser)  # feature: streaming
     g = parser.add_argument_group("pretraining")
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Tokens of that sample; 0: no sample.")
     args = parser.parse_args(argv)
     check_common_flags(args)
+    check_data_files(args.train_file, args.validation_file)
+    check_divergence_flags(args)  # feature: divergence guard
     if args.block_size < 2:
         fail(f"--block_size must be >= 2 (got {args.block_size})")
     check_streaming_flags(args)  # feature: streaming
@@ -94,6 +98,7 @@ def main() -> None:
     extras = CheckpointExtras()  # what the features below add to checkpoints
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    extras.can_save = finite_weights  # feature: divergence guard
     # None: a fresh start (with checksums: every file of the checkpoint is checked first).
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     status = train(args, config, accelerator, resume_from, extras)
@@ -103,6 +108,8 @@ def main() -> None:
 
 def load_data(args, accelerator, resume_from: str | None):
     """Corpus -> fast tokenizer -> packed blocks -> (tokenizer, train dataloader, eval dataloader)."""
+    if args.streaming:  # feature: streaming
+        return load_streaming_data(args, accelerator, resume_from)  # no length: --max_steps long
     raw = load_raw_datasets(args)
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from, args.tokenizer_vocab_size)
     data = tokenize_and_pack(args, accelerator, raw, tokenizer, args.block_size)
@@ -121,10 +128,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
     run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps
-    load = load_data
-    if args.streaming:  # feature: streaming
-        load = load_streaming_data  # no length: --max_steps long; epochs are passes over each process's share
-    tokenizer, train_dataloader, eval_dataloader = load(args, accelerator, resume_from)
+    tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator, resume_from)
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs, unit="blocks")
     record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
@@ -141,11 +145,12 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
-    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps, args.max_nonfinite_steps,
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("pretrain_llama", vars(args)), flops_per_token=step_flops)
     describe_run(args, accelerator, model, train_dataloader, steps_per_epoch, total_steps)
 
     # ---- training loop: it ends at total_steps, or returns early on a stop signal or divergence ---------------------
+    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()
@@ -194,7 +199,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     # ---- final evaluation and export --------------------------------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    if not export_model(accelerator, model, tokenizer, args.output_dir):
+    if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS  # a non-finite weight: nothing exported, the reason printed
     results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
                "num_parameters": total_params}
@@ -203,6 +208,13 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         logger.info(f"Sample from the exported model:\n{results['sample']}")
     log.write_results(results)
     return 0
+
+
+def exporter(args):
+    """How the trained model is written (common/export.py; the features below wrap or replace it)."""
+    export = export_model
+    export = export_if_finite(export)  # feature: divergence guard
+    return export
 
 
 def describe_run(args, accelerator, model, train_dataloader, steps_per_epoch: int | None, total_steps: int) -> None:

@@ -19,7 +19,6 @@ from torch import nn
 
 from common.errors import fail
 from common.export import use_tokenizer_special_tokens
-from common.guard import weights_are_finite
 from common.inputs.modeling import outside_zero3
 from common.paths import MERGED_DIR
 from common.upstream import prepared_models, save_state_pre_hooks
@@ -240,9 +239,7 @@ def check_vocab_size(config, vocab_size: int) -> None:
 
 def export_adapter(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
     """`common.export.export_model` for a LoRA run: adapter_config.json + adapter_model.safetensors (for
-    `PeftModel.from_pretrained`) and the tokenizer; False (nothing written) when a weight is not finite. Collective."""
-    if not weights_are_finite(accelerator, [model], f"the adapter to {output_dir}"):
-        return False
+    `PeftModel.from_pretrained`) and the tokenizer; True, as `export_model`. Collective."""
     accelerator.wait_for_everyone()
     state_dict = adapter_state_dict(accelerator, model)
     if accelerator.is_main_process:

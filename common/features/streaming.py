@@ -32,6 +32,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
 from common.inputs.data import block_packer, build_default_corpus, data_format, document_tokenizer, get_tokenizer
+from common.accumulation import accumulation_windows
 from common.errors import fail
 
 TOKENIZER_SAMPLE_DOCUMENTS = 10_000  # a tokenizer trained here learns from the stream's first documents
@@ -131,6 +132,24 @@ class StreamingLoader:
         """One pass (the rest of it, after a resume); `epoch` advances when it ends."""
         yield from self.loader
         self.epoch += 1
+
+    def step_windows(self, progress, total_steps: int, accumulation_steps: int) -> Iterator[list[dict]]:
+        """`common.steps.optimizer_step_windows` for the stream: each iteration is one pass (the rest of one, after a
+        resume); passes follow each other until `total_steps`. Two passes in a row without a full window mean the
+        stream is too short for one optimizer step."""
+        empty_passes = 0
+        while progress.step < total_steps:
+            windows = 0
+            for window in accumulation_windows(self, accumulation_steps):
+                windows += 1
+                progress.step += 1
+                yield window
+                if progress.step >= total_steps:
+                    return
+            empty_passes = 0 if windows else empty_passes + 1
+            if empty_passes == 2:  # the first may be the finished pass a checkpoint was taken at
+                fail(f"a pass over this process's stream holds fewer than one optimizer step "
+                     f"({self.batch_size} x {accumulation_steps} accumulation blocks)")
 
     def _path(self, checkpoint_dir: str) -> str:
         return os.path.join(checkpoint_dir, f"stream_position_rank{self.rank}.json")

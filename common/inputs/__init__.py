@@ -1,2 +1,30 @@
 """What a copier replaces with their own: the corpora and the embedded default data, the tokenizer, packing, the
 model presets and how a model is built. Imports the core (`common.*`), never `common.features`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from common.errors import fail, missing_local_path
+
+
+def from_pretrained_or_fail(load: Callable, name: str, flag: str):
+    """`load(name)` (a `from_pretrained`); a missing folder, a broken config.json or an unknown hub id is one line.
+
+    transformers takes a path that does not exist for a hub id and answers "Repo id must be in the form ...".
+    """
+    try:
+        return load(name)
+    except (OSError, ValueError) as e:
+        config_file = os.path.join(name, "config.json")
+        if os.path.isfile(config_file):
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    json.load(f)
+            except ValueError as bad:
+                fail(f"{flag} {name}: {config_file} is not valid JSON ({bad})")
+        if missing_local_path(name):
+            fail(f"{flag} {name}: no such folder")
+        fail(f"{flag} {name}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from common.paths import TOKENIZER_DIR
 from common.errors import fail
-from common.inputs.modeling import from_pretrained_or_fail
+from common.inputs import from_pretrained_or_fail
 
 logger = get_logger(__name__)
 
@@ -32,6 +32,25 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "_
 def data_format(path: str) -> str:
     """The `datasets` builder that reads a data file (json for both .json and .jsonl)."""
     return DATA_EXTENSIONS[os.path.splitext(path)[1].lower()]
+
+
+def check_data_files(train_file: str | None, validation_file: str | None) -> None:
+    for flag, path in (("--train_file", train_file), ("--validation_file", validation_file)):
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            fail(f"{flag} {path}: is a folder; pass a file (for a folder of files use --dataset_name {path})")
+        if not os.path.isfile(path):
+            fail(f"{flag} {path}: no such file")
+        if os.path.splitext(path)[1].lower() not in DATA_EXTENSIONS:
+            fail(f"{flag} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
+        if os.path.getsize(path) == 0:
+            fail(f"{flag} {path}: the file is empty")
+    if validation_file and not train_file:
+        fail("--validation_file needs --train_file")
+    if validation_file and data_format(train_file) != data_format(validation_file):
+        fail(f"--train_file {train_file} and --validation_file {validation_file} must have the same format "
+             f"({data_format(train_file)} vs {data_format(validation_file)})")
 
 
 def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> dict[str, str]:

@@ -11,7 +11,8 @@ from accelerate.logging import get_logger
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
-from common.errors import fail, from_pretrained_or_fail
+from common.errors import fail
+from common.inputs import from_pretrained_or_fail
 from common.upstream import registered_zero3_config
 
 logger = get_logger(__name__)
@@ -144,6 +145,21 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     cache.
     """
     model.activation_checkpointing_enable({"use_reentrant": False})
+
+
+def flops_per_token(config, num_params: int, num_embedding_params: int, seq_len: int) -> float:
+    """Training FLOPs per token as torchtitan / PaLM count them: 6 * non-embedding params + attention 12*L*H*Q*T.
+
+    For a mixture of experts only the experts a token visits count (top-k of the expert MLP weights).
+    """
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dense = num_params - num_embedding_params
+    experts, active = getattr(config, "num_local_experts", 0), getattr(config, "num_experts_per_tok", 0)
+    if experts and active:
+        expert_params = 3 * config.hidden_size * config.intermediate_size * layers * experts
+        dense -= expert_params * (experts - active) // experts
+    return 6 * dense + 12 * layers * heads * head_dim * seq_len
 
 
 def full_numel(parameter: torch.Tensor) -> int:
