@@ -1,0 +1,76 @@
+"""common/upstream.py gathers every use of an upstream package's private attributes. Each test here fails once the
+workaround may no longer be needed: a pinned version changed (re-check them all against the new release), or the
+public API it stands in for appeared. Then rewrite the call site with the public API and delete the workaround."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from common.upstream import WRITTEN_FOR
+from conftest import ROOT
+
+
+def test_the_workarounds_were_written_for_the_pinned_and_installed_versions():
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = dict(re.findall(r"^([A-Za-z0-9_-]+)==([^\s#]+)", f.read(), re.M))
+    for package, version in WRITTEN_FOR.items():
+        assert pins[package] == version, f"requirements.txt pins {package}=={pins[package]}: re-check common/upstream.py"
+        installed = importlib.metadata.version(package).split("+")[0]
+        assert installed == version, f"{package} {installed} is installed: re-check common/upstream.py"
+
+
+def test_accelerate_has_no_public_list_of_prepared_objects_or_hooks():
+    """prepared_models, prepared_optimizers_and_schedulers, save_state_pre_hooks."""
+    public = {name for name in dir(Accelerator) if not name.startswith("_")}
+    wanted = {"models", "optimizers", "schedulers", "prepared_models", "save_state_pre_hooks"}
+    assert not public & wanted, f"accelerate now offers {public & wanted}: use it in common/upstream.py's callers"
+
+
+def test_torch_schedulers_have_no_setter_for_the_last_lr_and_the_private_one_works():
+    """set_last_lr: a resume recomputes the rates; `get_last_lr()` must then return them."""
+    from common.upstream import set_last_lr
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                                                  lambda step: 0.5)
+    assert not any(name.startswith("set_") and "lr" in name for name in dir(scheduler))
+    set_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]
+
+
+def test_transformers_public_deepspeed_getter_gives_the_dict_not_the_object():
+    """registered_zero3_config: `set_hf_deepspeed_config` needs the HfDeepSpeedConfig object back, which only the
+    private weak reference holds (`deepspeed_config()` returns its dict)."""
+    import inspect
+
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    assert "_hf_deepspeed_config_weak_ref().config" in inspect.getsource(hf_deepspeed.deepspeed_config)
+
+
+def test_tqdm_keeps_its_open_bars_where_the_workaround_reads_them():
+    """open_progress_bars: closed before a run's last error line."""
+    from tqdm import tqdm
+
+    from common.upstream import open_progress_bars
+
+    bar = tqdm(total=1, disable=False, file=open(os.devnull, "w"))
+    try:
+        assert bar in open_progress_bars()
+    finally:
+        bar.close()
+
+
+def test_accelerate_still_turns_fsdp_into_ddp_on_cpu():
+    """use_fsdp_everywhere: an FSDP launch built with `cpu=True` is not FSDP in accelerate's state."""
+    code = ("from accelerate import Accelerator; from accelerate.utils import DistributedType; "
+            "print(Accelerator(cpu=True).distributed_type == DistributedType.FSDP)")
+    env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
