@@ -53,6 +53,8 @@ from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
 from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
+                                               reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
@@ -76,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
+    add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_chunked_loss_args(parser)  # feature: chunked loss
     add_peft_args(parser)  # feature: lora
@@ -102,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
+    check_activation_memory(args, config)  # feature: activation memory
     if args.chunked_cross_entropy:  # feature: chunked loss
         check_chunked_loss(config)
     if args.use_peft:  # feature: lora
@@ -313,6 +317,8 @@ def build_model(args, config, accelerator, vocab_size: int):
     model = build_causal_lm(args, config, vocab_size, **load_kwargs)
     if args.chunked_cross_entropy:  # feature: chunked loss
         use_chunked_loss(model)
+    if args.selective_ac_option or args.activation_offloading:  # feature: activation memory
+        reduce_activation_memory(model, args.selective_ac_option, args.activation_offloading)
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "CAUSAL_LM")

@@ -46,6 +46,8 @@ from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
+from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
+                                               reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
@@ -67,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
+    add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
     # Fine-tuning defaults (BERT paper / TrainingArguments); attention: the best the model supports (sdpa or eager).
@@ -99,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
+    check_activation_memory(args, config)  # feature: activation memory
     if args.use_peft:  # feature: lora
         check_adapter_targets(args, config, AutoModelForSequenceClassification, "SEQ_CLS")
     check_deepspeed_config(args)  # feature: deepspeed check
@@ -306,6 +310,8 @@ def build_classifier(args, accelerator, label_names: list[str]):
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if args.selective_ac_option or args.activation_offloading:  # feature: activation memory
+        reduce_activation_memory(model, args.selective_ac_option, args.activation_offloading)
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "SEQ_CLS")
     return model, head

@@ -136,3 +136,31 @@ def test_a_copied_script_runs_from_anywhere_and_trains_the_same(corpus, tmp_path
                                                    "--gradient_checkpointing"))
     assert train_losses(tmp_path / "copy") == train_losses(tmp_path / "orig")
     assert json.loads((tmp_path / "copy" / "config.json").read_text())["use_cache"] is True
+
+
+# The last commit before common/ was cut into a core and two tiers: its checkpoints must still resume exactly.
+BEFORE_TIERS = "87efb57c76710368adb1b70556ecb23124b9d817"
+
+
+def test_a_checkpoint_written_before_the_tiers_continues_exactly(corpus, tmp_path):
+    """The pretraining recipe as it was before the tiers (taken from git) trains 8 steps and checkpoints at 4; this
+    version resumes that step-4 checkpoint and ends with the same losses and weights as the old uninterrupted run."""
+    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{BEFORE_TIERS}^{{commit}}"],
+                      capture_output=True).returncode:
+        pytest.skip(f"this checkout has no commit {BEFORE_TIERS[:7]} (a shallow clone)")
+    old = tmp_path / "old_code"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", ROOT, "archive", BEFORE_TIERS, "scripts", "common"], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    common = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+              "--max_train_samples", "80", "--learning_rate", "3e-3")
+    run_script(str(old / "scripts" / "pretrain_llama.py"),
+               *pretrain_args(corpus, tmp_path, "old", "--checkpointing_steps", "4", *common))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "old" / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
+    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "resumed", "--resume_from_checkpoint", "latest",
+                                                   *common))
+    old_losses, again = train_losses(tmp_path / "old"), train_losses(resumed)
+    assert sorted(again) == list(range(5, 9)) and [again[s] for s in again] == [old_losses[s] for s in again]
+    assert max_weight_diff(tmp_path / "old", resumed) == 0
