@@ -125,6 +125,9 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
         "no_clipping": {"flags": ["--max_grad_norm", "0"]},  # the plain loop's work: compare the two with it
         "accumulation": {"flags": accumulate},
         "gradient_checkpointing": {"flags": ["--gradient_checkpointing"]},
+        "selective_ac_2": {"flags": ["--selective_ac_option", "2"]},  # every 2nd layer checkpointed
+        "selective_ac_op": {"flags": ["--selective_ac_option", "op"]},  # matmul outputs kept, the rest recomputed
+        "activation_offloading": {"flags": ["--gradient_checkpointing", "--activation_offloading"]},
         "fp16": {"flags": ["--fp16"], "skip": None if cuda else "fp16 loss scaling needs a CUDA GPU"},
         "bf16": {"flags": ["--bf16"], "skip": None if bf16_ok else "this GPU has no bf16"},
         "tf32": {"flags": ["--tf32"], "skip": None if cuda and torch.cuda.get_device_capability()[0] >= 8

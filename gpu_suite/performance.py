@@ -22,6 +22,10 @@ PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile"
                 "perf_bf16_compile_8bit": "bf16_compile_8bit", "perf_plain_loop": "plain_pytorch",
                 "perf_bf16_compile_chunked": "bf16_compile_chunked",
                 "perf_mfu_goal": "bf16_compile"}
+# Long-context rows: each activation-memory mode at `long_seq` tokens, bf16 with the chunked loss (the logits of a
+# long sequence would dominate otherwise): peak memory and tokens/s per mode.
+LONG_METHODS = {"perf_long_none": "long_none", "perf_long_every2": "long_every2", "perf_long_op": "long_op",
+                "perf_long_full": "long_full", "perf_long_offload": "long_offload"}
 # benchmark method -> (estimate_memory row flags, activation checkpointing, chunked logits); fp8 is estimated as bf16
 ESTIMATED_AS = {"bf16_compile": ("", False, False), "plain_pytorch": ("", False, False),
                 "fp8_compile": ("", False, False), "bf16_compile_checkpointing": ("", True, False),
@@ -43,7 +47,13 @@ def perf_extra_methods(cuda: bool) -> dict[str, dict]:
     fused = ["--optim", "adamw_torch_fused"] if cuda else []
     fp8_launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                     os.path.join(CONFIGS, "fp8.yaml"), "--num_processes", "1"]
+    long_flags = ["--bf16", "--chunked_cross_entropy"] + fused
     return {
+        "long_none": {"flags": long_flags},
+        "long_every2": {"flags": long_flags + ["--selective_ac_option", "2"]},
+        "long_op": {"flags": long_flags + ["--selective_ac_option", "op"]},
+        "long_full": {"flags": long_flags + ["--gradient_checkpointing"]},
+        "long_offload": {"flags": long_flags + ["--gradient_checkpointing", "--activation_offloading"]},
         "bf16_compile_checkpointing": {"flags": half_compile + fused + ["--gradient_checkpointing"]},
         "bf16_compile_8bit": {"flags": half_compile + ["--optim", "adamw_8bit"]},
         "bf16_compile_chunked": {"flags": half_compile + fused + ["--chunked_cross_entropy"]},
@@ -87,14 +97,18 @@ def largest_fitting_presets(gpu_bytes: float, host_bytes: float, seq: int, batch
     return result
 
 
-def run_benchmark(suite: Suite) -> dict:
-    """One benchmark.py run of every planned perf method; {"rows": {method: row}, "failed": {...}, "markdown": ...}."""
+def run_benchmark(suite: Suite, long_context: bool = False) -> dict:
+    """One benchmark.py run of every planned perf method (or long-context method, at `long_seq` tokens, one sequence
+    per step); {"rows": {method: row}, "failed": {...}, "markdown": ...}."""
     s = suite.settings
-    methods = sorted({PERF_METHODS[name] for name in suite.planned if name in PERF_METHODS})
-    argv = ["--methods", ",".join(methods), "--plain_reference", "bf16_compile", "--model_preset", s.perf_preset,
-            "--seq_len", str(s.perf_seq), "--per_device_train_batch_size", str(s.perf_batch), "--warm_steps",
-            str(s.warm_steps), "--timed_steps", str(s.timed_steps), "--output_dir",
-            os.path.join(suite.work, "benchmark")]
+    table = LONG_METHODS if long_context else PERF_METHODS
+    methods = sorted({table[name] for name in suite.planned if name in table})
+    seq, batch = (s.long_seq, 1) if long_context else (s.perf_seq, s.perf_batch)
+    argv = ["--methods", ",".join(methods), "--model_preset", s.perf_preset, "--seq_len", str(seq),
+            "--per_device_train_batch_size", str(batch), "--warm_steps", str(s.warm_steps), "--timed_steps",
+            str(s.timed_steps), "--output_dir", os.path.join(suite.work, "long" if long_context else "benchmark")]
+    if not long_context:
+        argv = ["--plain_reference", "bf16_compile"] + argv
     if suite.deadline is not None:
         argv += ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     argv += ["--", "--cache_dir", os.path.join(suite.work, "cache"), "--tokenizer_vocab_size", str(s.perf_vocab)]
@@ -126,10 +140,11 @@ def run_benchmark(suite: Suite) -> dict:
 
 
 def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[str, ...] = ()) -> Row:
-    method = PERF_METHODS[name]
+    long_context = name in LONG_METHODS
+    method = (LONG_METHODS if long_context else PERF_METHODS)[name]
 
     def check(suite: Suite) -> Outcome:
-        result = suite.memo("benchmark", lambda: run_benchmark(suite))
+        result = suite.memo("long" if long_context else "benchmark", lambda: run_benchmark(suite, long_context))
         row = result["rows"].get(method)
         if row is None:
             return Outcome(FAIL, result["failed"].get(method, "no result").splitlines()[0][:240])
@@ -193,6 +208,11 @@ def part2_rows() -> list[Row]:
                  needs=("torchao",)),
         perf_row("perf_bf16_compile_8bit", "bf16 + --torch_compile + 8-bit AdamW", needs=("bitsandbytes",)),
         perf_row("perf_bf16_compile_chunked", "bf16 + --torch_compile + fused AdamW + --chunked_cross_entropy"),
+        perf_row("perf_long_none", "long context: bf16 + --chunked_cross_entropy, no checkpointing"),
+        perf_row("perf_long_every2", "long context: the same + --selective_ac_option 2 (every 2nd layer)"),
+        perf_row("perf_long_op", "long context: the same + --selective_ac_option op (matmul outputs kept)"),
+        perf_row("perf_long_full", "long context: the same + --gradient_checkpointing (every layer)"),
+        perf_row("perf_long_offload", "long context: the same + --gradient_checkpointing --activation_offloading"),
         perf_row("perf_plain_loop", "benchmarks/plain_loop.py with the bf16_compile flags: our tokens/s over its"),
         Row("perf_mfu_goal", 2, f"MFU of bf16 + compile + fused AdamW >= {MFU_GOAL:.0%}", check_mfu_goal,
             cuda_only="MFU needs a GPU of known peak FLOP/s"),

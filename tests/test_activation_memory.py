@@ -8,6 +8,9 @@ import argparse
 
 import pytest
 import torch
+from conftest import copy_checkpoints, launcher, run_script
+from test_distributed import assert_same_training, init_model, train_args  # noqa: F401  (fixture)
+from test_fsdp import fsdp_launcher
 
 from common.features.activation_memory import check_activation_memory, reduce_activation_memory
 
@@ -68,3 +71,43 @@ def test_a_value_the_model_cannot_serve_is_one_line(option, compile_, line, caps
     with pytest.raises(SystemExit) as exit_info:
         check_activation_memory(args, tiny_llama().config)
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().startswith(f"error: {line}")
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, init_model, tmp_path_factory):  # noqa: F811
+    """One process, no checkpointing, 4 sequences x 2 accumulation steps (tests/test_distributed.py's reference)."""
+    out = tmp_path_factory.mktemp("activations") / "reference"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4), launcher=launcher("cpu_1proc.yaml", 1))
+    return out
+
+
+ENGINES = {  # engine -> (launcher, per-device batch, a mode to run under it)
+    "DDP": (lambda: launcher("cpu_2proc.yaml"), 2, ["--selective_ac_option", "op", "--activation_offloading"]),
+    "ZeRO-3": (lambda: launcher("deepspeed_zero3.yaml"), 2, ["--selective_ac_option", "2"]),
+    "FSDP2": (lambda: fsdp_launcher(2), 2, ["--selective_ac_option", "op"]),
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_two_processes_with_a_mode_equal_the_one_process_run(engine, corpus, init_model, reference,  # noqa: F811
+                                                             tmp_path):
+    make_launcher, per_device_batch, mode = ENGINES[engine]
+    out = tmp_path / "run"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, per_device_batch, *mode),
+               launcher=make_launcher())
+    print(f"{engine} with {' '.join(mode)}: {assert_same_training(out, reference)}")
+
+
+def test_a_resume_may_change_the_mode_and_continues_exactly(corpus, init_model, reference, tmp_path):  # noqa: F811
+    """Checkpointed at step 2 with per-op checkpointing, resumed with every 2nd layer and offloading: the
+    uninterrupted plain run's losses and weights."""
+    first = tmp_path / "first"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, first, 4, "--checkpointing_steps", "2",
+                                                "--selective_ac_option", "op"), launcher=launcher("cpu_1proc.yaml", 1))
+    resumed = tmp_path / "resumed"
+    copy_checkpoints(first, resumed, 2)
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, resumed, 4, "--selective_ac_option", "2",
+                                                "--activation_offloading", "--resume_from_checkpoint", "latest"),
+               launcher=launcher("cpu_1proc.yaml", 1))
+    print(f"op to step 2, every 2nd layer + offloading from there: "
+          f"{assert_same_training(resumed, reference, steps=(3, 4))}")

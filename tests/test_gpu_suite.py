@@ -22,10 +22,10 @@ import pytest
 import torch
 from conftest import ROOT
 
-SKIPPED_HERE = "compile,zero1,zero3,*offload,perf_bf16_compile*,perf_plain_loop"
+SKIPPED_HERE = "compile,zero1,zero3,*offload,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,perf_long_full"
 CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
-            "moe", "accumulation", "zero2", "sft", "classifier", "perf_baseline"}
+            "moe", "accumulation", "zero2", "sft", "classifier", "perf_baseline", "perf_long_op"}
 LOSS = re.compile(r"loss (-?[\d.]+|nan|inf) -> (-?[\d.]+|nan|inf) in (\d+) steps")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check")
@@ -89,7 +89,8 @@ def test_cpu_rows_really_run_and_pass(dry_run):
     deselected = {name for name, (status, figure) in rows.items() if figure == "not selected (--only / --skip)"}
     assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "perf_bf16_compile",
                           "perf_bf16_compile_checkpointing", "perf_bf16_compile_8bit", "perf_bf16_compile_chunked",
-                          "perf_plain_loop"}
+                          "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
+                          "perf_long_offload"}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 

@@ -25,6 +25,11 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   L·s·b·h·34. With --gradient_checkpointing only each layer's bf16 input stays (2·s·b·h·L) plus one layer's
   activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient);
   with --chunked_cross_entropy only one chunk of 1,024 tokens exists at a time: min(s·b, 1024)·V·10.
+- Activation modes (--activation_modes), bytes a token keeps per decoder layer: none 34·h; full checkpointing 2·h
+  (the layer's bf16 input); every k-th layer checkpointed: the mean of the two over the layers; per op (selective):
+  the bf16 outputs of the matmuls and attention, 2·(q + k + v + attention + o + gate + up + down); offload: 0 on the
+  GPU. All but none add one layer's 34·h while it runs or is recomputed. The longest sequence is the largest multiple
+  of 1,024 tokens whose total (model states + activations + one chunk of the logits) fits.
 - Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
   (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
 - LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base
@@ -70,6 +75,8 @@ class ModelShape:
     linear: int | None = None  # weights of the linear layers LoRA adapts (all but the output head): 4-bit in QLoRA
     largest_linear: int | None = None
     lora_per_rank: int | None = None  # adapter parameters per unit of rank: the sum of inputs + outputs
+    intermediate: int | None = None  # the MLP's width
+    kv_hidden: int | None = None  # keys' (and values') width: heads of keys x head size
 
 
 @dataclass
@@ -105,7 +112,10 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       heads=config.num_attention_heads, vocab=config.vocab_size,
                       linear=sum(m.weight.numel() for m in linear),
                       largest_linear=max(m.weight.numel() for m in linear),
-                      lora_per_rank=sum(m.in_features + m.out_features for m in linear))
+                      lora_per_rank=sum(m.in_features + m.out_features for m in linear),
+                      intermediate=config.intermediate_size,
+                      kv_hidden=config.hidden_size * getattr(config, "num_key_value_heads", config.num_attention_heads)
+                      // config.num_attention_heads)
 
 
 def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool) -> float:
@@ -123,6 +133,49 @@ def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: boo
     if checkpointing:
         return 2 * s * b * h * layers + per_layer + logits
     return layers * per_layer + logits
+
+
+def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2) -> float:
+    """Bytes one token keeps per decoder layer for the backward, by activation-memory mode (module docstring)."""
+    h, i, kv, layers = shape.hidden, shape.intermediate or 4 * shape.hidden, shape.kv_hidden or shape.hidden, shape.layers
+    every_layer = {"none": 34 * h, "full": 2 * h, "offload": 0,
+                   "op": 2 * (h + 2 * kv + h + h + 2 * i + h)}  # matmul and attention outputs, bf16
+    if mode.startswith("every"):
+        checkpointed = math.ceil(layers / k)
+        return (2 * h * checkpointed + 34 * h * (layers - checkpointed)) / layers
+    return every_layer[mode]
+
+
+def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states: float, what: str) -> list[str]:
+    """Per mode: what a token keeps per layer, the activations at --seq_len, and the longest sequence that fits."""
+    b, limit = args.micro_batch_size, HEADROOM * args.gpu_memory_gb * GB
+    transient = 34 * shape.hidden  # one layer's activations while it runs (or is recomputed), per token
+    lines = ["", f"Activation memory by mode ({what}, model states {states / GB:.1f} GB on one GPU, micro-batch {b}, "
+             "SDPA, one chunk of the logits with --chunked_cross_entropy):", "",
+             "| mode | flags | bytes per token per layer | activations at --seq_len | longest sequence that fits |",
+             "|---|---|---|---|---|"]
+    modes = [("none", ""), ("every 2nd layer", "--selective_ac_option 2"), ("per op", "--selective_ac_option op"),
+             ("full", "--gradient_checkpointing"), ("offload", "--gradient_checkpointing --activation_offloading")]
+    for name, flags in modes:
+        key = {"every 2nd layer": "every", "per op": "op"}.get(name, name)
+        per = per_token_layer_bytes(shape, key)
+        extra = 0 if key == "none" else transient  # recomputed or prefetched: one layer at a time
+
+        def total(seq: int) -> float:
+            return states + seq * b * (per * shape.layers + extra) + logits_bytes(shape, seq, b, True)
+
+        longest = 0
+        while total(longest + 1024) <= limit and longest < 2**24:
+            longest += 1024
+        longest_text = f"{longest:,} tokens" if longest else "none (model states alone do not fit)"
+        lines.append(f"| {name} | {'`' + flags + '`' if flags else ''} | {per / 1e3:.1f} kB | "
+                     f"{(total(args.seq_len) - states) / GB:.1f} GB | "
+                     f"{longest_text} |")
+    lines += ["", "Offload keeps the saved activations in host memory (its host RAM: the activations column). "
+              "Published for comparison, not measured here: Unsloth, Llama-3.1-8B QLoRA on one 80 GB GPU, 342k tokens "
+              "of context (plain Hugging Face + FlashAttention-2: 28k); TRL, 8B with sequence parallelism on 8 x H100, "
+              "300k+ tokens."]
+    return lines
 
 
 def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option]:
@@ -246,6 +299,10 @@ def report(args: argparse.Namespace) -> str:
                      + ("." if acts else " (model states only: activations come on top)."))
     if args.use_peft:
         lines += adapter_report(args, shape)
+    if args.activation_modes and acts:
+        method, _, base, trained = adapter_options(shape, args.lora_r, args.use_bnb_nested_quant)[
+            2 if args.use_peft else 0]
+        lines += activation_modes_report(args, shape, base + trained, method)
     return "\n".join(lines)
 
 
@@ -266,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Attention kernel (eager stores the attention scores).")
     parser.add_argument("--chunked_cross_entropy", action="store_true",
                         help="Count one chunk of the logits, as the scripts' --chunked_cross_entropy keeps them.")
+    parser.add_argument("--activation_modes", action="store_true",
+                        help="Add a table: activations and the longest sequence per activation-memory mode (full "
+                             "fine-tuning on one GPU, or QLoRA with --use_peft).")
     peft = parser.add_argument_group("LoRA / QLoRA (adds a table: full fine-tuning vs LoRA vs QLoRA)")
     peft.add_argument("--use_peft", action="store_true", help="Also estimate LoRA and QLoRA fine-tuning.")
     peft.add_argument("--use_bnb_nested_quant", action="store_true", help="QLoRA's scales quantized too.")
