@@ -44,7 +44,7 @@ from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
                              load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
-from common.output_dir import claim_output_dir
+from common.output_dir import claim_output_dir, take_over_output_dir
 from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
 from common.run_record import RunRecord
 from common.runtime import build_accelerator, finish, init_trackers
@@ -192,6 +192,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     resume(accelerator, resume_from, progress, run)
+    take_over_output_dir(args, accelerator)  # every check has passed: --overwrite_output_dir removes the old run
     init_trackers(accelerator, args, "finetune_classifier")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "

@@ -38,7 +38,7 @@ from common.metrics import StepLog, flops_per_token, peak_memory_bytes, write_al
 from common.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, full_numel, load_config,
                              outside_zero3)
 from common.optim import create_optimizer_and_scheduler
-from common.output_dir import claim_output_dir
+from common.output_dir import claim_output_dir, take_over_output_dir
 from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
 from common.run_record import RunRecord
 from common.runtime import build_accelerator, finish, init_trackers
@@ -104,10 +104,9 @@ def load_data(args, accelerator, resume_from: str | None):
 
 
 def train(args, config, accelerator, resume_from: str | None) -> int:
-    """The whole run; returns the exit status: 0, STOPPED_STATUS (a stop signal, after its checkpoint) or
-    DIVERGED_STATUS."""
+    """The whole run; returns the exit status: 0, STOPPED_STATUS (a stop signal, checkpoint saved), DIVERGED_STATUS."""
     run = RunRecord(args, "pretrain_llama", accelerator, config, data_flags(args), resume_from)  # checks a resume
-    claim_output_dir(args, accelerator)  # the lock, --overwrite_output_dir, leftovers of interrupted saves
+    claim_output_dir(args, accelerator)  # the lock, leftovers of interrupted saves
     ga = args.gradient_accumulation_steps
     if args.streaming:  # no length: --max_steps long; epochs are passes over each process's share of the stream
         tokenizer, train_dataloader, eval_dataloader = load_streaming_data(args, accelerator, resume_from)
@@ -131,6 +130,7 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     progress = track_progress(accelerator)
     resume(accelerator, resume_from, progress, run)
+    take_over_output_dir(args, accelerator)  # every check has passed: --overwrite_output_dir removes the old run
     init_trackers(accelerator, args, "pretrain_llama")
     blocks = "a stream of" if args.streaming else len(train_dataloader.dataset)
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
