@@ -16,13 +16,16 @@ from accelerate import Accelerator
 
 from common.checkpoint import discard, remove_leftovers
 from common.errors import fail
-from common.paths import CHECKPOINT_DIR, LOCK_FILE, LOGS_DIR, METRICS_FILE, RESULTS_FILE
+from common.paths import CHECKPOINT_DIR, LOCK_FILE, LOGS_DIR, MERGED_DIR, METRICS_FILE, RESULTS_FILE
 
+# The exported model's files: the model and tokenizer, or a LoRA run's adapter (peft's adapter_config.json,
+# adapter_model.safetensors and its model card README.md).
+EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt",
+                "adapter_config.json", "README.md")
 # What a run writes into --output_dir (`--overwrite_output_dir` removes these; other files are left alone): its
-# checkpoints, logs and metrics, and the exported model and tokenizer.
-RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, "config.json", "generation_config.json",
-               "*.safetensors", "*.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
-               "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt")
+# checkpoints, logs and metrics, the export, and --merge_adapter's merged model.
+RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, MERGED_DIR) + EXPORT_FILES
 _held_locks: dict[str, IO] = {}  # open for the process's life: the kernel drops the lock when the process dies
 _taken_over: set[str] = set()  # folders this process has begun to write into (see take_over_output_dir)
 
