@@ -470,3 +470,43 @@ def test_overwrite_leaves_exactly_what_the_new_run_writes(lora_run, data, tmp_pa
     assert {"adapter_config.json", "README.md", "merged"} <= set(os.listdir(lora_run["out"]))
     assert entries_outside_run_outputs(lora_run["out"]) == [] and entries_outside_run_outputs(str(out)) == ["notes.txt"]
 
+
+def test_resume_onto_another_base_model_is_refused(lora_run, data, tmp_path):
+    """A base of the same shape and tokenizer but other weights: a LoRA resume and a full fine-tuning resume are one
+    line before any work; a copy of the right base elsewhere matches; a checkpoint written before bases were recorded
+    (no `base_model` in run.json) is not checked."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    other, copy = tmp_path / "other_base", tmp_path / "base_copy"
+    shutil.copytree(data["model"], copy)
+    shutil.copytree(data["model"], other)
+    torch.manual_seed(1)
+    LlamaForCausalLM(AutoConfig.from_pretrained(data["model"])).save_pretrained(other)
+    full = tmp_path / "full"
+    run_script("finetune_causal_lm.py", *data_args(data, full), *TRAINING[:-4], "--max_steps", "2",
+               "--checkpointing_steps", "2")
+    for checkpoint, lora in ((os.path.join(lora_run["out"], "checkpoints", "step_4"), LORA),
+                             (full / "checkpoints" / "step_2", ())):
+        args = [*data_args(data, tmp_path / "resumed"), *lora, *TRAINING, "--resume_from_checkpoint", str(checkpoint)]
+        args[1] = str(other)  # --model_name_or_path
+        proc = run_script("finetune_causal_lm.py", *args, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and errors == [
+            f"error: --resume_from_checkpoint {checkpoint}: the checkpoint was trained from --model_name_or_path "
+            f"{data['model']}, this run from --model_name_or_path {other}, whose weights differ; resume with the "
+            "checkpoint's base model"], proc.stderr[-3000:]
+        assert "training examples" not in proc.stderr + proc.stdout and not (tmp_path / "resumed").exists()
+    from common.run_record import base_model_fingerprint, check_run_record
+
+    with open(os.path.join(lora_run["out"], "checkpoints", "step_4", "run.json")) as f:
+        saved = json.load(f)
+    assert saved["base_model"]["weights"] == base_model_fingerprint(str(copy), None)["weights"]
+    assert saved["base_model"]["weights"] != base_model_fingerprint(str(other), None)["weights"]
+    older = tmp_path / "older_checkpoint"
+    older.mkdir()
+    fields = {**saved, "base_model": base_model_fingerprint(str(other), None)}
+    del saved["base_model"]
+    (older / "run.json").write_text(json.dumps(saved))
+    check_run_record(str(older), fields)  # no SystemExit: nothing recorded to compare with
