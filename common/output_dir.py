@@ -97,6 +97,12 @@ def _undo_unused_claim(key: str, created_dir: str | None, created_lock: str | No
         pass  # another run has begun to use the folder meanwhile: it is theirs
 
 
+def export_files(output_dir: str) -> list[str]:
+    """The exported model's files in output_dir (EXPORT_FILES)."""
+    found = {path for pattern in EXPORT_FILES for path in glob.glob(os.path.join(glob.escape(output_dir), pattern))}
+    return sorted(path for path in found if os.path.isfile(path))
+
+
 def remove_previous_run(output_dir: str) -> None:
     """Remove what an earlier run wrote into output_dir (see RUN_OUTPUTS); the checkpoints go first and in one
     rename, so a kill midway never leaves a checkpoint of the old run to resume."""

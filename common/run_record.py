@@ -68,6 +68,7 @@ class RunRecord:
         if args.validation_file:  # the split share only counts when validation is cut from train
             self.fields.pop("validation_split_percentage", None)
         self.tokenizer = None
+        self.extras = []  # more for each checkpoint: functions of its folder (the classifier's best model so far)
         if resume_from:
             check_resume_process_count(accelerator, resume_from)
             check_run_record(resume_from, self.fields)
@@ -80,10 +81,12 @@ class RunRecord:
         self.fields.update(tokenizer=tokenizer_fingerprint(tokenizer), steps_per_epoch=steps_per_epoch)
 
     def write(self, path: str) -> None:
-        """Into a checkpoint folder (main process): run.json and the tokenizer."""
+        """Into a checkpoint folder (main process): run.json, the tokenizer and the extras."""
         with open(os.path.join(path, RUN_RECORD), "w", encoding="utf-8") as f:
             json.dump({**self.fields, "hyperparameters": self.hyperparameters}, f, indent=1)
         self.tokenizer.save_pretrained(os.path.join(path, TOKENIZER_DIR))
+        for write_extra in self.extras:
+            write_extra(path)
 
 
 def file_fingerprint(path: str | None) -> dict | None:

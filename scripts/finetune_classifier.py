@@ -16,8 +16,10 @@ classes), checkpoint, export the last or the best model with its tokenizer.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -44,7 +46,7 @@ from common.metrics import StepLog, peak_memory_bytes, write_all_results
 from common.modeling import (count_parameters, enable_gradient_checkpointing, freeze_parameters,
                              load_finetuning_config)
 from common.optim import create_optimizer_and_scheduler
-from common.output_dir import claim_output_dir, take_over_output_dir
+from common.output_dir import claim_output_dir, export_files, take_over_output_dir
 from common.preemption import STOPPED_STATUS, announce_stop, catch_stop_signals, stop_signalled
 from common.run_record import RunRecord
 from common.runtime import build_accelerator, finish, init_trackers
@@ -53,6 +55,7 @@ from common.validation import check_finetuning_flags
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resume keeps them
+BEST_DIR = "best_model"  # in a checkpoint, with --load_best_model_at_end: the best model's export and figures
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,6 +196,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     resume(accelerator, resume_from, progress, run)
     take_over_output_dir(args, accelerator)  # every check has passed: --overwrite_output_dir removes the old run
+    best = BestModel(args, accelerator, run, resume_from)  # a resume restores the best so far
     init_trackers(accelerator, args, "finetune_classifier")
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {len(label_names)} labels {label_names}; "
@@ -201,7 +205,6 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
 
     # ---- training loop: equal-size micro-batches (drop_last), so the mean of their means is the step's mean --------
     log = StepLog(accelerator, args.output_dir, progress.step, total_steps, steps_per_epoch, args.logging_steps)
-    best = BestModel(args.metric_for_best_model)
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)
     catch_stop_signals()
     train_start = time.perf_counter()
@@ -288,11 +291,40 @@ def build_classifier(args, accelerator, label_names: list[str]):
 
 
 class BestModel:
-    """The best evaluation so far by `--metric_for_best_model` (lower is better for loss, higher otherwise)."""
+    """The best evaluation so far by `--metric_for_best_model` (lower is better for loss, higher otherwise).
 
-    def __init__(self, metric: str) -> None:
+    With --load_best_model_at_end each improvement is exported to --output_dir at once, and every checkpoint keeps a
+    copy of that export and its figures (BEST_DIR), restored on resume: the resumed run compares its evaluations with
+    the best before the interruption and exports the model the uninterrupted run exports.
+    """
+
+    def __init__(self, args, accelerator, run: RunRecord, resume_from: str | None) -> None:
+        metric = args.metric_for_best_model
         self.key, self.sign = f"eval_{metric}", -1 if metric == "loss" else 1
         self.step, self.metrics = None, None
+        self.output_dir = args.output_dir
+        if args.load_best_model_at_end:
+            run.extras.append(self.save)
+            kept = os.path.join(resume_from or "", BEST_DIR)
+            if resume_from and os.path.isdir(kept):  # absent: no evaluation before it, or an older checkpoint
+                with open(os.path.join(kept, "best.json"), encoding="utf-8") as f:
+                    saved = json.load(f)
+                self.step, self.metrics = saved["step"], saved["metrics"]
+                if accelerator.is_main_process:  # the export in --output_dir may be another (later) model's
+                    for name in set(os.listdir(kept)) - {"best.json"}:
+                        shutil.copy2(os.path.join(kept, name), self.output_dir)
+                accelerator.wait_for_everyone()
+
+    def save(self, checkpoint: str) -> None:
+        """Into a checkpoint being written (main process): a copy of the best model's export and its figures."""
+        if self.step is None:
+            return
+        kept = os.path.join(checkpoint, BEST_DIR)
+        os.makedirs(kept)
+        for path in export_files(self.output_dir):
+            shutil.copy2(path, kept)
+        with open(os.path.join(kept, "best.json"), "w", encoding="utf-8") as f:
+            json.dump({"step": self.step, "metrics": self.metrics}, f)
 
     def update(self, step: int, metrics: dict) -> bool:
         """True when `metrics` beat the best so far (they then become the best)."""
