@@ -33,24 +33,15 @@ logger = get_logger(__name__)
 
 @dataclass
 class CheckpointExtras:
-    """What optional features add to checkpoints; each None adds nothing.
-
-    can_save: collective, before a save: False refuses it, the reason printed (the divergence guard's weight check).
-    write: main process, into a finished save before it is published (the resume guard's run.json and tokenizer).
-    check: before a resume loads a checkpoint: stops with one line if this run cannot continue it.
-    record_files: collective, after the save: the marker's record of file sizes and checksums.
-    verify: a checkpoint's first problem (None: it verifies); collective when given an accelerator.
-    explain_failed_save: called with a failed save's exception, its partial folder and the step; may remove the
-        partial save and stop the run with one line (a full disk), else the exception is raised.
-    state_kwargs: `save_state`/`load_state` arguments (`loading` True for a load), e.g. for an adapter-only state.
-    """
-    can_save: Callable[[Accelerator, str], bool] | None = None
-    write: Callable[[str], None] | None = None
-    check: Callable[[str], None] | None = None
-    record_files: Callable[[Accelerator, str], dict | None] | None = None
-    verify: Callable[[str, Accelerator | None], str | None] | None = None
+    """What optional features add to checkpoints (common/features/; each None adds nothing)."""
+    can_save: Callable[[Accelerator, str], bool] | None = None  # collective: False refuses the save (printed why)
+    write: Callable[[str], None] | None = None  # main process: more files into the save before it is published
+    check: Callable[[str], None] | None = None  # before a resume loads it: one line if this run cannot continue it
+    record_files: Callable[[Accelerator, str], dict | None] | None = None  # collective: the marker's file record
+    verify: Callable[[str, Accelerator | None], str | None] | None = None  # its first problem, None if it verifies
+    # Called with a failed save's exception, partial folder and step: may remove it and stop in one line (full disk).
     explain_failed_save: Callable[[BaseException, str, int], None] | None = None
-    state_kwargs: Callable[[bool], dict] | None = None
+    state_kwargs: Callable[[bool], dict] | None = None  # save_state / load_state (True) arguments
 
     def kwargs(self, loading: bool) -> dict:
         return self.state_kwargs(loading) if self.state_kwargs else {}

@@ -59,9 +59,8 @@ def print_last(line: str) -> None:
 
 
 def leave_for_launcher(line: str) -> None:
-    """Write `line` into torch elastic's error file (set by torchrun for each process), so the failure report that
-    `accelerate launch` prints after a multi-process run names it as the root cause (also when only another rank
-    failed)."""
+    """Write `line` into torch elastic's error file (torchrun sets one per process), so `accelerate launch`'s failure
+    report names it as the root cause (also when only another rank failed)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:

@@ -162,6 +162,12 @@ def check_output_dir(args: argparse.Namespace) -> None:
             [os.path.abspath(resume_value), os.path.abspath(args.output_dir)]) == os.path.abspath(args.output_dir)):
         fail(f"--overwrite_output_dir removes the previous run's checkpoints; it cannot be combined with "
              f"--resume_from_checkpoint {resume_value}")
+    output_dir = os.path.realpath(args.output_dir)
+    for name in ("model_name_or_path", "tokenizer_name", "config_name"):
+        value = getattr(args, name, None)  # a local path: the export and --overwrite_output_dir would write over it
+        if value and os.path.exists(value) and os.path.commonpath([os.path.realpath(value), output_dir]) == output_dir:
+            fail(f"--output_dir {args.output_dir} is or contains --{name} {value}, which this run loads: its export "
+                 "(and --overwrite_output_dir) would write over it; choose another --output_dir")
     used = os.path.isfile(os.path.join(args.output_dir, METRICS_FILE))
     if used and not resume_value and not args.overwrite_output_dir:
         fail(f"--output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint latest to continue"

@@ -1,11 +1,9 @@
-"""Each optimizer step's check, the same on every rank: the step's loss over all processes, its gradient norm, whether
-any rank was asked to stop, and the verdict (apply the update, skip it, or stop: diverged).
+"""Each optimizer step's check, the same on every rank: the step's loss over all processes, its gradient norm (of the
+all-reduced gradients), whether any rank was asked to stop (riding on the loss's all-reduce), and the verdict.
 
-The step's loss is all-reduced here and the gradient norm from `accelerator.clip_grad_norm_` is computed on the
-all-reduced gradients; a stop request (common/features/preemption.py) rides on the same all-reduce. So the three come
-to the host in one read: the only read of a device value a training loop makes outside logging steps (on a GPU each
-read waits for the device's queue to drain; tests/test_host_syncs.py counts them). The plain check applies every
-step; the divergence guard (common/features/divergence.py) skips non-finite ones and stops a diverged run.
+The three come to the host in one read: the only read of a device value a loop makes outside logging steps (on a GPU
+each read waits for the device's queue; tests/test_host_syncs.py counts them). The plain check applies every step;
+the divergence guard (common/features/divergence.py) skips non-finite ones and stops a diverged run.
 """
 
 from __future__ import annotations

@@ -12,34 +12,36 @@ from accelerate import Accelerator
 from common.checkpoint import CheckpointExtras, resume
 from common.guard import StepGuard
 from common.metrics import StepLog
-from common.output_dir import prepare_output_dir
+from common.output_dir import remove_leftovers, take_over_output_dir
 from common.steps import TrainingProgress, track_progress
 
 
 class RunLifecycle:
-    """Claims --output_dir when created (see `prepare_output_dir`); `start` sets up the loop's objects."""
+    """Claims --output_dir when created (leftovers of interrupted saves go); `start` takes it over and sets up the
+    loop's objects."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str, overwrite_output_dir: bool, resume_from: str | None,
                  extras: CheckpointExtras | None = None) -> None:
         self.accelerator, self.output_dir, self.resume_from = accelerator, output_dir, resume_from
         self.extras = extras or CheckpointExtras()
-        self.started = False
-        prepare_output_dir(accelerator, output_dir, overwrite_output_dir)
+        self.started, self.overwrite_output_dir = False, overwrite_output_dir
+        if accelerator.is_main_process:
+            remove_leftovers(output_dir)
+        accelerator.wait_for_everyone()
 
     def start(self, total_steps: int, steps_per_epoch: int | None, logging_steps: int,
               trackers: tuple[str, dict] | None = None, flops_per_token: float | None = None,
               progress: TrainingProgress | None = None) -> tuple[TrainingProgress, StepLog, StepGuard]:
-        """After `accelerator.prepare`: restore the checkpoint (if resuming), start the trackers (`(project, config)`,
-        None: none), and return the step counter, the step log and the step check, all at the restored step.
-
-        `progress`: a step counter already registered with this accelerator (a retry with a smaller batch reuses it:
-        accelerate saves every registered object), else a new one."""
+        """After `accelerator.prepare`: restore the checkpoint, take the folder over, start the trackers; return the
+        step counter (`progress`: one already registered, for a retry), step log and step check at the restored step."""
         if self.started:
             raise RuntimeError("RunLifecycle.start() runs once per run")
         self.started = True
         accelerator = self.accelerator
         progress = progress or track_progress(accelerator)
         resume(accelerator, self.resume_from, progress, self.extras)
+        # every check that can stop the run has passed: only now may --overwrite_output_dir remove the previous run
+        take_over_output_dir(accelerator, self.output_dir, self.overwrite_output_dir)
         if trackers:  # trackers reject None and lists
             project, config = trackers
             accelerator.init_trackers(project, config={k: v for k, v in config.items()

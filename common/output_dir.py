@@ -1,4 +1,5 @@
-"""The output folder: `--overwrite_output_dir`, leftovers of interrupted saves, removals a kill never leaves half done."""
+"""The output folder: leftovers of interrupted saves, `--overwrite_output_dir` once every check has passed, and
+removals a kill midway never leaves half done."""
 
 from __future__ import annotations
 
@@ -8,26 +9,23 @@ import shutil
 
 from accelerate import Accelerator
 
-from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX, LOGS_DIR, METRICS_FILE, RESULTS_FILE
+from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX, LOGS_DIR, MERGED_DIR, METRICS_FILE, RESULTS_FILE
 
-# What a run writes into --output_dir (`--overwrite_output_dir` removes these; other files are left alone): its
-# checkpoints, logs and metrics, and the exported model and tokenizer.
-RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, "config.json", "generation_config.json",
-               "*.safetensors", "*.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
-               "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt")
+# The export: the model and tokenizer, or a LoRA run's adapter (peft's adapter_config.json and model card README.md).
+EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt",
+                "adapter_config.json", "README.md")
+# What a run writes into --output_dir (`--overwrite_output_dir` removes these, other files stay).
+RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, MERGED_DIR) + EXPORT_FILES
 
 
-def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite_output_dir: bool) -> None:
-    """Make --output_dir this run's own: with --overwrite_output_dir remove the previous run's outputs (checkpoints
-    first, so `latest` can never resume it); remove leftovers of interrupted saves.
-
-    Every process calls it; the main process does the work while the others wait.
-    """
-    os.makedirs(output_dir, exist_ok=True)
+def take_over_output_dir(accelerator: Accelerator, output_dir: str, overwrite_output_dir: bool) -> None:
+    """Once every check that can fail has passed, before the run writes: with --overwrite_output_dir the previous run's
+    outputs go now (checkpoints first: `latest` never resumes it), so bad input leaves them as they were."""
     if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
         if overwrite_output_dir:
             remove_previous_run(output_dir)
-        remove_leftovers(output_dir)
     accelerator.wait_for_everyone()
 
 

@@ -16,8 +16,11 @@ classes), checkpoint, export the last or the best model with its tokenizer.
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import math
 import os
+import shutil
 import sys
 import time
 from functools import partial  # feature: lora
@@ -44,6 +47,7 @@ from common.inputs.modeling import (count_parameters, enable_gradient_checkpoint
                                     load_finetuning_config)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
+from common.output_dir import EXPORT_FILES
 from common.runtime import build_accelerator
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
 from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
@@ -61,6 +65,7 @@ from common.features.resume_guard import RunRecord  # feature: resume guard
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resume keeps them
+BEST_DIR = "best_model"  # in a checkpoint, with --load_best_model_at_end: the best model's export and figures
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,7 +238,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
                 f"epoch, {total_steps} in all; global batch "
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes}")
     # ---- training loop: equal-size micro-batches (drop_last), so the mean of their means is the step's mean --------
-    export, best = exporter(args), BestModel(args.metric_for_best_model)
+    export, best = exporter(args), BestModel(args, accelerator, resume_from, extras)  # a resume restores the best
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
@@ -318,11 +323,48 @@ def build_classifier(args, accelerator, label_names: list[str]):
 
 
 class BestModel:
-    """The best evaluation so far by `--metric_for_best_model` (lower is better for loss, higher otherwise)."""
+    """The best evaluation so far by `--metric_for_best_model` (lower is better for loss, higher otherwise).
 
-    def __init__(self, metric: str) -> None:
+    With --load_best_model_at_end each improvement is exported to --output_dir at once, and every checkpoint keeps a
+    copy of that export and its figures (BEST_DIR), restored on resume: the resumed run compares its evaluations with
+    the best before the interruption and exports the model the uninterrupted run exports.
+    """
+
+    def __init__(self, args, accelerator, resume_from: str | None, extras: CheckpointExtras) -> None:
+        metric = args.metric_for_best_model
         self.key, self.sign = f"eval_{metric}", -1 if metric == "loss" else 1
         self.step, self.metrics = None, None
+        self.output_dir = args.output_dir
+        if args.load_best_model_at_end:
+            write = extras.write  # what the checkpoint holds besides: the best model's export too
+
+            def write_with_best(path: str) -> None:
+                if write:
+                    write(path)
+                self.save(path)
+
+            extras.write = write_with_best
+            kept = os.path.join(resume_from or "", BEST_DIR)
+            if resume_from and os.path.isdir(kept):  # absent: no evaluation before it, or an older checkpoint
+                with open(os.path.join(kept, "best.json"), encoding="utf-8") as f:
+                    saved = json.load(f)
+                self.step, self.metrics = saved["step"], saved["metrics"]
+                if accelerator.is_main_process:  # the export in --output_dir may be another (later) model's
+                    for name in set(os.listdir(kept)) - {"best.json"}:
+                        shutil.copy2(os.path.join(kept, name), self.output_dir)
+                accelerator.wait_for_everyone()
+
+    def save(self, checkpoint: str) -> None:
+        """Into a checkpoint being written (main process): a copy of the best model's export and its figures."""
+        if self.step is None:
+            return
+        kept = os.path.join(checkpoint, BEST_DIR)
+        os.makedirs(kept)
+        exported = {p for pattern in EXPORT_FILES for p in glob.glob(os.path.join(glob.escape(self.output_dir), pattern))}
+        for path in sorted(p for p in exported if os.path.isfile(p)):
+            shutil.copy2(path, kept)
+        with open(os.path.join(kept, "best.json"), "w", encoding="utf-8") as f:
+            json.dump({"step": self.step, "metrics": self.metrics}, f)
 
     def update(self, step: int, metrics: dict) -> bool:
         """True when `metrics` beat the best so far (they then become the best)."""

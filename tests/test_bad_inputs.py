@@ -190,3 +190,74 @@ def test_the_checks_only_check(tmp_path):
     assert vars(args) == flags and args.resume_from_checkpoint == "auto"
     assert dict(os.environ) == environment
     assert pretrain.find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint) is None  # a fresh start
+
+
+SMALL_RUN = ["--tokenizer_vocab_size", "300", "--block_size", "64", "--per_device_train_batch_size", "4",
+             "--max_train_samples", "40", "--max_eval_samples", "8", "--sample_max_new_tokens", "0"]
+
+
+def tree(folder) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes (the lock file aside: it names the latest run that held it)."""
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(folder) for f in files if f != ".lock"}
+
+
+def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tmp_path, corpus):
+    """--overwrite_output_dir with a malformed train file, or a --warmup_steps refused once the data is counted: one
+    line, status 2, and the previous run's checkpoints, weights, metrics and tokenizer stay byte for byte."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n{"text": "b"\n')
+    common = SMALL_RUN + ["--cache_dir", str(tmp_path / "cache")]
+    previous = tmp_path / "previous"
+    run_script("pretrain_llama.py", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+               *common, "--max_steps", "2", "--checkpointing_steps", "1", "--output_dir", str(previous))
+    before = tree(previous)
+    assert {"checkpoints/step_2/model.safetensors", "model.safetensors", "metrics.jsonl", "tokenizer.json",
+            "all_results.json"} <= set(before)
+    bad_data = ["--train_file", str(rows), "--validation_file", str(rows)]
+    long_warmup = ["--train_file", corpus["train"], "--validation_file", corpus["validation"], "--warmup_steps", "1000"]
+    for flags, line in ((bad_data, f"error: --train_file {rows}: line 2 is not valid JSON (Expecting ',' delimiter at "
+                                   "column 13)"),
+                        (long_warmup, "error: --warmup_steps 1000 is more than the run's ")):
+        proc = run_script("pretrain_llama.py", *flags, *common, "--output_dir", str(previous), "--overwrite_output_dir",
+                          check=False)
+        errors = [e for e in proc.stderr.splitlines() if e.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(line), proc.stderr[-3000:]
+        assert tree(previous) == before
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_data_error_creates_no_output_dir(tmp_path, num_processes):
+    """The folder and its lock are made before the data is read (a live run's folder is refused at once); a run that
+    stops on its data removes them again, also when two processes meet the error."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n{"text": "b"\n')
+    bad_data = ["--train_file", str(rows), "--validation_file", str(rows), *SMALL_RUN, "--cache_dir",
+                str(tmp_path / "cache")]
+    launch = None if num_processes == 1 else [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
+        os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port", "0"]
+    out = tmp_path / "out"
+    proc = run_script("pretrain_llama.py", *bad_data, "--output_dir", str(out), launcher=launch, check=False)
+    assert proc.returncode == (2 if num_processes == 1 else 1), proc.stderr[-3000:]  # accelerate's status: 1
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: --train_file {rows}: line 2 is not valid JSON (Expecting ',' delimiter at column 13)"]
+    assert not out.exists(), sorted(os.listdir(out))
+
+
+@pytest.mark.parametrize("flag", ["--model_name_or_path", "--tokenizer_name", "--config_name"])
+@pytest.mark.parametrize("inside", [False, True], ids=["is", "contains"])
+def test_output_dir_holding_what_the_run_loads_is_one_line(capsys, tmp_path, flag, inside):
+    """An --output_dir that is (or contains) the model, tokenizer or config the run loads would be written over by
+    the export, or removed by --overwrite_output_dir: refused before anything, the folder untouched."""
+    from transformers import LlamaConfig
+
+    model = tmp_path / "model"
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"weights")
+    before = tree(model)
+    output_dir = tmp_path if inside else model
+    err = one_line_error(capsys, [flag, str(model), "--output_dir", str(output_dir), "--overwrite_output_dir"])
+    assert err == (f"error: --output_dir {output_dir} is or contains {flag} {model}, which this run loads: its export "
+                   "(and --overwrite_output_dir) would write over it; choose another --output_dir")
+    assert tree(model) == before and sorted(os.listdir(tmp_path)) == ["model"]

@@ -29,7 +29,7 @@ from conftest import DAMAGES, ROOT, SCRIPTS, damage, read_metrics, skip_line
 from common.checkpoint import CheckpointExtras, complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
 from common.features.checksums import CHECKSUM, checkpoint_files, record_files, share, verify_checkpoint
 from common.metrics import MetricsWriter
-from common.output_dir import prepare_output_dir
+from common.output_dir import remove_leftovers
 from common.paths import COMPLETE_MARKER, LOCK_FILE
 
 STEPS, EVERY = 16, 2  # room for 5 kills: each one during a save costs the attempt a checkpoint
@@ -198,7 +198,7 @@ def test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newes
     for value in ("latest", "auto"):
         assert find_checkpoint_to_resume(str(tmp_path), value) == str(tmp_path / "checkpoints" / "step_5")
     accelerator.load_state(find_checkpoint_to_resume(str(tmp_path), "latest"))  # what it picks loads
-    prepare_output_dir(accelerator, str(tmp_path), overwrite_output_dir=False)
+    remove_leftovers(str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_5", "step_7"]  # the leftover is gone
     save_checkpoint(accelerator, str(tmp_path), 8, save_total_limit=2)  # prunes complete ones only
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_5", "step_7", "step_8"]

@@ -223,3 +223,23 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(tiny, dynami
     copied, original = (load_file(os.path.join(d, "model.safetensors")) for d in (str(tmp_path / "copy"), dynamic_run))
     assert max_difference(copied, original) == 0
 
+
+def test_best_model_survives_a_resume(tiny, tmp_path):
+    """--load_best_model_at_end: the evaluation loss is lowest at step 4 of 8 (lr 1e-2), so the uninterrupted run
+    exports step 4's model. The same run resumed from its step-6 checkpoint in a new folder knows that best (the
+    checkpoint carries it and its export) and exports the same weights, bit for bit, with the same figures."""
+    import shutil
+
+    best = ("--max_steps", "8", "--learning_rate", "1e-2", "--per_device_train_batch_size", "8", "--max_seq_length",
+            "128", "--eval_steps", "2", "--checkpointing_steps", "2", "--load_best_model_at_end",
+            "--metric_for_best_model", "loss")
+    uninterrupted, resumed = str(tmp_path / "uninterrupted"), tmp_path / "resumed"
+    classify(tiny, uninterrupted, *best)
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(uninterrupted) if "eval_loss" in r}
+    assert min(evals, key=evals.get) == 4 and results(uninterrupted)["exported_step"] == 4, evals
+    shutil.copytree(os.path.join(uninterrupted, "checkpoints", "step_6"), resumed / "checkpoints" / "step_6")
+    classify(tiny, str(resumed), *best, "--resume_from_checkpoint", "latest")
+    expected, got = load_file(f"{uninterrupted}/model.safetensors"), load_file(f"{resumed}/model.safetensors")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert {k: v for k, v in results(resumed).items() if k.startswith(("eval_", "exported"))} == \
+        {k: v for k, v in results(uninterrupted).items() if k.startswith(("eval_", "exported"))}

@@ -432,3 +432,81 @@ def test_estimator_counts_the_adapter_and_the_4bit_base(tmp_path):
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
     assert rows["QLoRA"].endswith("| with `--gradient_checkpointing` |") and rows["LoRA"].endswith("| no |")
     assert "QLoRA 7.4 GiB at 2,413 tokens/s; LoRA 16.2 GiB at 3,083 tokens/s" in text
+
+
+def entries_outside_run_outputs(folder: str) -> list[str]:
+    """The top-level files and folders of a run's output folder that `--overwrite_output_dir` would leave behind."""
+    import fnmatch
+
+    from common.output_dir import RUN_OUTPUTS
+
+    return [name for name in sorted(os.listdir(folder)) if name != ".lock"
+            and not any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_OUTPUTS)]
+
+
+def test_overwrite_leaves_exactly_what_the_new_run_writes(lora_run, data, tmp_path):
+    """Every file a LoRA + merge run writes is a run output (derived from the run's folder, not a hand list). A full
+    fine-tune with --overwrite_output_dir into a copy of that folder: every file left is the new run's (the user's
+    own file aside), no adapter, model card or merged/ of the old run, and the folder loads as the new model."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "overwritten"
+    shutil.copytree(lora_run["out"], out)
+    (out / "notes.txt").write_text("the user's own file")
+    for folder, _, files in os.walk(out):
+        for name in files:
+            os.utime(os.path.join(folder, name), (1e9, 1e9))  # 2001: any other time was written by the new run
+    run_script("finetune_causal_lm.py", *data_args(data, out), *TRAINING[:-4], "--max_steps", "2",
+               "--checkpointing_steps", "2", "--overwrite_output_dir")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not hasattr(model, "peft_config")
+    exported = load_file(out / "model.safetensors")
+    assert all(torch.equal(p, exported[n]) for n, p in model.state_dict().items() if n in exported)
+    old = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, files in os.walk(out) for f in files
+                 if os.path.getmtime(os.path.join(d, f)) == 1e9)
+    assert old == ["notes.txt"]
+    assert {"adapter_config.json", "README.md", "merged"} <= set(os.listdir(lora_run["out"]))
+    assert entries_outside_run_outputs(lora_run["out"]) == [] and entries_outside_run_outputs(str(out)) == ["notes.txt"]
+
+
+def test_resume_onto_another_base_model_is_refused(lora_run, data, tmp_path):
+    """A base of the same shape and tokenizer but other weights: a LoRA resume and a full fine-tuning resume are one
+    line before any work; a copy of the right base elsewhere matches; a checkpoint written before bases were recorded
+    (no `base_model` in run.json) is not checked."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    other, copy = tmp_path / "other_base", tmp_path / "base_copy"
+    shutil.copytree(data["model"], copy)
+    shutil.copytree(data["model"], other)
+    torch.manual_seed(1)
+    LlamaForCausalLM(AutoConfig.from_pretrained(data["model"])).save_pretrained(other)
+    full = tmp_path / "full"
+    run_script("finetune_causal_lm.py", *data_args(data, full), *TRAINING[:-4], "--max_steps", "2",
+               "--checkpointing_steps", "2")
+    for checkpoint, lora in ((os.path.join(lora_run["out"], "checkpoints", "step_4"), LORA),
+                             (full / "checkpoints" / "step_2", ())):
+        args = [*data_args(data, tmp_path / "resumed"), *lora, *TRAINING, "--resume_from_checkpoint", str(checkpoint)]
+        args[1] = str(other)  # --model_name_or_path
+        proc = run_script("finetune_causal_lm.py", *args, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and errors == [
+            f"error: --resume_from_checkpoint {checkpoint}: the checkpoint was trained from --model_name_or_path "
+            f"{data['model']}, this run from --model_name_or_path {other}, whose weights differ; resume with the "
+            "checkpoint's base model"], proc.stderr[-3000:]
+        assert "training examples" not in proc.stderr + proc.stdout and not (tmp_path / "resumed").exists()
+    from common.features.resume_guard import base_model_fingerprint, check_run_record
+
+    with open(os.path.join(lora_run["out"], "checkpoints", "step_4", "run.json")) as f:
+        saved = json.load(f)
+    assert saved["base_model"]["weights"] == base_model_fingerprint(str(copy), None)["weights"]
+    assert saved["base_model"]["weights"] != base_model_fingerprint(str(other), None)["weights"]
+    older = tmp_path / "older_checkpoint"
+    older.mkdir()
+    fields = {**saved, "base_model": base_model_fingerprint(str(other), None)}
+    del saved["base_model"]
+    (older / "run.json").write_text(json.dumps(saved))
+    check_run_record(str(older), fields)  # no SystemExit: nothing recorded to compare with

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import socket
@@ -17,14 +18,18 @@ _held_locks: dict[str, IO] = {}  # open for the process's life: the kernel drops
 def lock_output_dir(output_dir: str, is_main_process: bool = True) -> None:
     """Hold an exclusive `flock` on <output_dir>/.lock until this process ends (also by SIGKILL or a crash: the kernel
     releases it, so no stale lock is ever left). On NFS, Linux maps flock to POSIX locks across nodes; Lustre needs
-    the `flock` mount option."""
+    the `flock` mount option. A folder or lock file created here goes again at exit if the run wrote nothing else
+    there (bad input found after the lock leaves no trace)."""
     if not is_main_process:
         return
-    os.makedirs(output_dir, exist_ok=True)
     key = os.path.realpath(output_dir)
     if key in _held_locks:  # this process already holds it (e.g. another --auto_find_batch_size attempt)
         return
-    lock = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")
+    created_dir = not os.path.isdir(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_FILE)
+    created_lock = not os.path.exists(path)
+    lock = open(path, "a+", encoding="utf-8")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -38,3 +43,17 @@ def lock_output_dir(output_dir: str, is_main_process: bool = True) -> None:
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
     _held_locks[key] = lock
+    if created_lock:
+        atexit.register(_remove_if_unused, output_dir, created_dir)
+
+
+def _remove_if_unused(output_dir: str, created_dir: bool) -> None:
+    """At exit: the lock file this run created, and the folder, when the run wrote nothing else into it (the lock
+    file goes while still held, so no other run holds it then; rmdir removes only an empty folder)."""
+    try:
+        if os.listdir(output_dir) == [LOCK_FILE]:
+            os.remove(os.path.join(output_dir, LOCK_FILE))
+            if created_dir:
+                os.rmdir(output_dir)
+    except OSError:
+        pass  # another run has begun to use the folder meanwhile: it is theirs

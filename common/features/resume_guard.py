@@ -4,6 +4,7 @@ resuming run's flags, data, tokenizer, model shape and process count before any 
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import os
@@ -28,14 +29,16 @@ HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_st
 # The LoRA settings a checkpoint was trained with (common/features/lora.py): a resume must keep them.
 ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
                  "bnb_4bit_quant_type", "use_bnb_nested_quant")
+# A local model folder's weight files (safetensors, or torch's legacy pickles), fingerprinted for `base_model`.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
 
 
 class RunRecord:
     """What continuing a checkpoint correctly needs: the script, the global batch, the data (file fingerprints and the
-    flags that cut and order it), the seed, the model's shape, and, once the data is loaded, the tokenizer and the
-    optimizer steps per epoch.
+    flags that cut and order it), the seed, the model's shape and pretrained weights, and, once the data is loaded,
+    the tokenizer and the optimizer steps per epoch.
 
     Every checkpoint gets these fields (`run.json`) and the tokenizer; a run that resumes one must agree, or it stops
     with one line naming the difference. The process count, per-device batch and accumulation may change if the
@@ -60,6 +63,7 @@ class RunRecord:
             **{name: getattr(args, name) for name in SHARED_DATA_FLAGS + data_flags if hasattr(args, name)},
             **{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)},  # the LoRA settings
             "model": {key: getattr(config, key) for key in MODEL_SHAPE if getattr(config, key, None) is not None},
+            "base_model": base_model_fingerprint(getattr(args, "model_name_or_path", None), config),
             "optim": args.optim,
         }
         self.hyperparameters = {name: getattr(args, name) for name in HYPERPARAMETERS}
@@ -101,6 +105,22 @@ def file_fingerprint(path: str | None) -> dict | None:
             f.seek(max(1 << 20, size - (1 << 20)))
             digest.update(f.read())
     return {"name": os.path.basename(path), "bytes": size, "sha256_head_tail": digest.hexdigest()[:16]}
+
+
+def base_model_fingerprint(name: str | None, config) -> dict | None:
+    """The pretrained weights a run starts from (None: built from the seed): for a local folder the fingerprints of
+    its weight files (a copy elsewhere matches; another model of the same shape does not, which the shape alone
+    misses), for a hub id the revision its config came from. A LoRA resume loads its base afresh: it must be the one
+    the adapter was trained on."""
+    if not name:
+        return None
+    if not os.path.isdir(name):
+        return {"name": name, "revision": getattr(config, "_commit_hash", None)}
+    weights = {}
+    for path in sorted({p for pattern in WEIGHT_FILES for p in glob.glob(os.path.join(glob.escape(name), pattern))}):
+        fingerprint = file_fingerprint(path)
+        weights[fingerprint["name"]] = [fingerprint["bytes"], fingerprint["sha256_head_tail"]]
+    return {"name": name, "weights": weights}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -167,6 +187,8 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
         return any(saved[f] != current[f] for f in fields)
     if key in ("train_file", "validation_file") and saved and current:
         return (saved["bytes"], saved["sha256_head_tail"]) != (current["bytes"], current["sha256_head_tail"])
+    if key == "base_model" and saved and current:  # the path may change; a folder and a hub id cannot be compared
+        return any(saved.get(k) != current.get(k) for k in ("weights", "revision") if saved.get(k) and current.get(k))
     return saved != current
 
 
@@ -195,6 +217,11 @@ def _difference(key: str, saved, current, path: str) -> str:
         diffs = [f"{k} {saved.get(k)} vs {current.get(k)}" for k in sorted(set(saved) | set(current))
                  if saved.get(k) != current.get(k)]
         return f"the checkpoint holds another model ({', '.join(diffs)}, checkpoint vs this run)"
+    if key == "base_model":
+        def base(b):
+            return f"--model_name_or_path {b['name']}" if b else "a model built from the seed"
+        return (f"the checkpoint was trained from {base(saved)}, this run from {base(current)}, whose weights differ; "
+                "resume with the checkpoint's base model")
     if key == "script":
         return f"the checkpoint was written by {saved}, not by {current}"
     if key == "optim":
