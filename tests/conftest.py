@@ -116,3 +116,42 @@ def copy_checkpoints(source_dir, target_dir, *steps: int) -> None:
 def skip_line(checkpoint, problem: str) -> str:
     """The line `--resume_from_checkpoint auto` prints for a damaged checkpoint it passes over."""
     return f"Skipping checkpoint {checkpoint}: {problem}; trying the one before it"
+
+
+# ---- tiers ---------------------------------------------------------------------------------------------------------
+# The fast tier (`pytest -m "not slow"`, the edit-run loop): in-process tests of every area, a few minutes in all.
+# Every other test is marked `slow`: it starts training runs (`accelerate launch`, several seconds of imports each).
+# Listed by file: "*" for the whole file, else the test functions (parametrized cases included).
+FAST = {
+    "test_code_layout.py": "*", "test_loops.py": "*", "test_docs.py": "*", "test_steps.py": "*",
+    "test_accumulation.py": "*", "test_optim_and_modeling.py": "*",
+    "test_upstream.py": {"test_the_workarounds_were_written_for_the_pinned_and_installed_versions",
+                         "test_accelerate_has_no_public_list_of_prepared_objects_or_hooks",
+                         "test_torch_schedulers_have_no_setter_for_the_last_lr_and_the_private_one_works"},
+    "test_activation_memory.py": {"test_every_mode_gives_the_gradients_of_no_checkpointing",
+                                  "test_a_value_the_model_cannot_serve_is_one_line"},
+    "test_chunked_loss.py": {"test_loss_and_gradients_equal_the_unchunked_ones",
+                             "test_head_gradients_equal_the_unchunked_ones"},
+    "test_crash_safety.py": {"test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newest",
+                             "test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_latest",
+                             "test_the_processes_share_the_checksums_evenly"},
+    "test_bad_inputs.py": {"test_the_checks_only_check", "test_output_dir_holding_what_the_run_loads_is_one_line"},
+    "test_configs.py": {"test_deepspeed_json_is_all_auto_and_valid", "test_contradicting_json_fails_in_one_line",
+                        "test_zero_partitioning_follows_the_paper", "test_activations"},
+    "test_finetune_causal_lm.py": {"test_prompt_tokens_are_masked_and_eos_is_learned",
+                                   "test_chat_template_trains_on_assistant_turns_only"},
+    "test_lora.py": {"test_only_the_adapter_changes", "test_the_wrapped_model_starts_as_the_base",
+                     "test_estimator_counts_the_adapter_and_the_4bit_base"},
+    "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
+}
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: starts training runs; left out of the fast tier (-m 'not slow')")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        fast = FAST.get(item.path.name, set())
+        if fast != "*" and item.originalname not in fast:
+            item.add_marker(pytest.mark.slow)

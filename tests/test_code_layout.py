@@ -166,3 +166,15 @@ def test_readme_states_the_common_lines_each_recipe_imports():
         source = (ROOT / "scripts" / recipe).read_text()
         row = f"| `{recipe}` | {common_lines(source):,} | {common_lines(strip_features(source)):,} |"
         assert row in readme, f"README.md: the Copy and adapt table should have the row {row}"
+
+
+def test_the_fast_tier_names_tests_that_exist():
+    """tests/conftest.py's FAST list (the `-m "not slow"` tier) names test files and functions that exist."""
+    from conftest import FAST
+
+    for name, tests in FAST.items():
+        path = ROOT / "tests" / name
+        assert path.is_file(), f"FAST names {name}, which does not exist"
+        if tests != "*":
+            defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+            assert not tests - defined, f"FAST names tests {sorted(tests - defined)} that {name} does not define"
