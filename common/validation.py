@@ -69,11 +69,22 @@ def check_data_files(train_file: str | None, validation_file: str | None) -> Non
             fail(f"{flag} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
         if os.path.getsize(path) == 0:
             fail(f"{flag} {path}: the file is empty")
+        if holds_only_whitespace(path):  # datasets would say "Couldn't cast"
+            fail(f"{flag} {path}: the file holds only whitespace, no rows")
     if validation_file and not train_file:
         fail("--validation_file needs --train_file")
     if validation_file and data_format(train_file) != data_format(validation_file):
         fail(f"--train_file {train_file} and --validation_file {validation_file} must have the same format "
              f"({data_format(train_file)} vs {data_format(validation_file)})")
+
+
+def holds_only_whitespace(path: str) -> bool:
+    """Reads up to the first byte that is not whitespace: the start of the file, for any file with data."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True
 
 
 def check_output_dir(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ import os
 import sys
 import textwrap
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,6 +60,7 @@ from common.validation import check_finetuning_flags
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,7 +103,7 @@ def load_sft_data(args, accelerator, config, resume_from: str | None):
     if not args.train_file and not args.dataset_name:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
-    raw = load_raw_datasets(args, columns={})
+    raw = load_raw_datasets(args, columns={}, check_rows=partial(find_untrainable_row, args=args))
     use_messages = args.messages_column in raw["train"].column_names
     for column, flag in ([(args.messages_column, "--messages_column")] if use_messages else
                          [(args.prompt_column, "--prompt_column"), (args.completion_column, "--completion_column")]):
@@ -274,6 +276,39 @@ def train(args, config, accelerator, resume_from: str | None) -> int:
             "num_processes": accelerator.num_processes, "peak_memory_bytes": peak_memory_bytes()})
         logger.info(f"Model, tokenizer, metrics.jsonl and all_results.json are in {args.output_dir}")
     return 0
+
+
+def find_untrainable_row(raw, args) -> tuple[str, int, str] | None:
+    """The first row (split, index, problem) that cannot give an example: chat turns with a role other than CHAT_ROLES
+    or no assistant turn, or a missing prompt or completion (`datasets` gives None for a key a JSON row lacks)."""
+    use_messages = args.messages_column in raw["train"].column_names
+    columns = [args.messages_column] if use_messages else [args.prompt_column, args.completion_column]
+    for split in ("train", "validation"):
+        if split not in raw or not set(columns) <= set(raw[split].column_names):
+            continue  # the column check names what is missing
+        rows = raw[split].select_columns(columns)
+        for start in range(0, len(rows), 1000):
+            batch = rows[start:start + 1000]
+            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
+                problem = chat_problem(values[0], args.messages_column) if use_messages else next(
+                    (f"has no '{column}' text" for column, value in zip(columns, values)
+                     if not isinstance(value, str)), None)
+                if problem:
+                    return split, start + offset, problem
+    return None
+
+
+def chat_problem(messages, column: str) -> str | None:
+    """What makes a row's chat turns untrainable, or None."""
+    if not messages:
+        return f"has no chat turns in '{column}'"
+    for number, message in enumerate(messages, 1):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
+    if not any(message["role"] == "assistant" for message in messages):
+        return "has no assistant turn: nothing in it to learn"
+    return None
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

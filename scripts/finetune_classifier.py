@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -127,7 +129,7 @@ def load_classification_data(args, accelerator, config, resume_from: str | None)
     columns = {args.text_column: "--text_column", args.label_column: "--label_column"}
     if pair_column:
         columns[pair_column] = "--text_pair_column"
-    raw = load_raw_datasets(args, columns)
+    raw = load_raw_datasets(args, columns, check_rows=partial(find_unusable_label, column=args.label_column))
     if pair_column is None and "text_pair" in raw["train"].column_names:
         pair_column = "text_pair"
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
@@ -317,6 +319,38 @@ def discover_labels(raw, column: str) -> tuple[list[str], dict]:
     if unseen:
         fail(f"the validation split has labels the training split lacks: {sorted(map(str, unseen))[:5]}")
     return [str(v) for v in values], {v: i for i, v in enumerate(values)}
+
+
+def find_unusable_label(raw, column: str) -> tuple[str, int, str] | None:
+    """The first row (split, index, problem) whose label is missing or of another kind than the first label's.
+
+    Mixed, every spelling would be a class of its own: a CSV column of `0`, `1`, `yes` and `no` (all strings to
+    `datasets`) trains four classes where the user meant two. Names only, or numbers only, are taken as they are.
+    """
+    first = None  # (split, row, label): the kind of the first label is the one every label must have
+    for split in ("train", "validation"):
+        if split not in raw or column not in raw[split].column_names or \
+                isinstance(raw[split].features[column], ClassLabel):
+            continue  # the column check names a missing column; a ClassLabel holds ids of named classes
+        for row, label in enumerate(raw[split][column]):
+            if label is None:
+                return split, row, f"has no label (column '{column}')"
+            if first is None:
+                first = (split, row, label)
+            elif label_kind(label) != label_kind(first[2]):
+                where = f"row {first[1] + 1}" + (" of the training data" if first[0] != split else "")
+                return split, row, (f"has label {label!r}, {label_kind(label)}, where {where} has {first[2]!r}, "
+                                    f"{label_kind(first[2])}: write every label as a name or every label as a number "
+                                    "(mixed, each spelling would train a class of its own)")
+    return None
+
+
+def label_kind(label) -> str:
+    """A number, a number written as text (as `datasets` reads a CSV column that also holds names), or a name."""
+    if isinstance(label, str):
+        number = re.fullmatch(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", label)
+        return "a number written as text" if number else "a name"
+    return "a number" if isinstance(label, (int, float)) and not isinstance(label, bool) else "a name"
 
 
 @torch.no_grad()
