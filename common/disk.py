@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 
 from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX
@@ -20,6 +21,9 @@ def disk_refuses_writes(exc: BaseException, folder: str) -> bool:
     """
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        number = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors' errors carry it in their text only
+        if number and int(number.group(1)) in DISK_FULL_ERRNOS:
             return True
         exc = exc.__cause__ or exc.__context__
     probe = os.path.join(folder, f"{LEFTOVER_PREFIX}probe")
