@@ -3,14 +3,23 @@ from the prepared model, under every engine (a LoRA run's adapter: common/featur
 
 from __future__ import annotations
 
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
+import os
+import shutil
+from collections.abc import Callable
 
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
+
+from common.errors import fail_on_every_rank
+from common.output_dir import fsync_path
+from common.paths import LEFTOVER_PREFIX
 from common.upstream import keep_used_weight_conversions
 
 
-def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
-    """Write the model and tokenizer to `output_dir`; True (a wrapper may refuse: common/features/divergence.py).
+def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str,
+                 explain_failed_write: Callable | None = None) -> bool:
+    """Write the model and tokenizer to `output_dir`, all or nothing (`write_all_or_nothing`); True (a wrapper may
+    refuse: common/features/divergence.py).
 
     Called on every process: under ZeRO-3/FSDP, gathering the full state dict is collective. The compiled wrapper is
     dropped so the keys carry no `_orig_mod.` prefix. config.json and generation_config.json name the tokenizer's
@@ -24,12 +33,47 @@ def export_model(accelerator: Accelerator, model, tokenizer, output_dir: str) ->
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
     state_dict = accelerator.get_state_dict(model) if sharded else None
     keep_used_weight_conversions(unwrapped)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
-                              save_function=accelerator.save, safe_serialization=True)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
-    accelerator.wait_for_everyone()
+
+    def save_model(folder: str, is_main_process: bool = True) -> None:
+        unwrapped.save_pretrained(folder, is_main_process=is_main_process, state_dict=state_dict,
+                                  save_function=accelerator.save, safe_serialization=True)
+
+    write_all_or_nothing(accelerator, output_dir, tokenizer, save_model, True, explain_failed_write)
     return True
+
+
+def write_all_or_nothing(accelerator: Accelerator, output_dir: str, tokenizer, save_model: Callable,
+                         every_process: bool = False, explain_failed_write: Callable | None = None) -> None:
+    """The main process writes `save_model(folder)` and the tokenizer into `output_dir/.tmp-export`, then moves each
+    file into place, the config last: a failed write or a kill never leaves a config beside missing or partial
+    weights (a kill leaves the temporary folder, which the next start removes). With `every_process` the others call
+    `save_model(output_dir, is_main_process=False)` (collectives; they write nothing). A failed write is removed;
+    `explain_failed_write(exception, partial folder)` may name it in one line (a full disk) that stops every rank."""
+    partial, problem = os.path.join(output_dir, f"{LEFTOVER_PREFIX}export"), None
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            save_model(partial)
+            tokenizer.save_pretrained(partial)
+        except Exception as exc:
+            problem = explain_failed_write(exc, partial) if explain_failed_write else None
+            shutil.rmtree(partial, ignore_errors=True)
+            if problem is None:
+                raise
+    elif every_process:
+        save_model(output_dir, is_main_process=False)
+    problem = broadcast_object_list([problem])[0]  # only the main process writes: its verdict holds for all
+    if problem:
+        fail_on_every_rank(accelerator, problem)
+    if accelerator.is_main_process:
+        names = sorted(os.listdir(partial), key=lambda name: name in ("config.json", "adapter_config.json"))
+        for name in names:
+            fsync_path(os.path.join(partial, name))
+        for name in names:
+            os.replace(os.path.join(partial, name), os.path.join(output_dir, name))
+        os.rmdir(partial)
+        fsync_path(output_dir)
+    accelerator.wait_for_everyone()
 
 
 def use_tokenizer_special_tokens(model, tokenizer) -> None:

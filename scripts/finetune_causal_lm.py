@@ -26,7 +26,7 @@ import os
 import sys
 import textwrap
 import time
-from functools import partial  # feature: lora
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +60,7 @@ from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_l
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
-from common.features.disk import stop_if_disk_full  # feature: full disk
+from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, check_vocab_size, export_adapter, export_merged_model,
@@ -70,6 +70,7 @@ from common.features.resume_guard import RunRecord  # feature: resume guard
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,7 +130,7 @@ def load_sft_data(args, accelerator, config, resume_from: str | None):
     if not args.train_file and not args.dataset_name:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
-    raw = load_raw_datasets(args, columns={})
+    raw = load_raw_datasets(args, columns={}, check_rows=partial(find_untrainable_row, args=args))
     use_messages = args.messages_column in raw["train"].column_names
     for column, flag in ([(args.messages_column, "--messages_column")] if use_messages else
                          [(args.prompt_column, "--prompt_column"), (args.completion_column, "--completion_column")]):
@@ -191,6 +192,7 @@ def exporter(args):
     export = export_model
     if args.use_peft:  # feature: lora
         export = export_adapter  # the adapter alone, in peft's format
+    export = explain_full_disk(export)  # feature: full disk
     export = export_if_finite(export)  # feature: divergence guard
     return export
 
@@ -323,6 +325,39 @@ def build_model(args, config, accelerator, vocab_size: int):
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "CAUSAL_LM")
     return model
+
+
+def find_untrainable_row(raw, args) -> tuple[str, int, str] | None:
+    """The first row (split, index, problem) that cannot give an example: chat turns with a role other than CHAT_ROLES
+    or no assistant turn, or a missing prompt or completion (`datasets` gives None for a key a JSON row lacks)."""
+    use_messages = args.messages_column in raw["train"].column_names
+    columns = [args.messages_column] if use_messages else [args.prompt_column, args.completion_column]
+    for split in ("train", "validation"):
+        if split not in raw or not set(columns) <= set(raw[split].column_names):
+            continue  # the column check names what is missing
+        rows = raw[split].select_columns(columns)
+        for start in range(0, len(rows), 1000):
+            batch = rows[start:start + 1000]
+            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
+                problem = chat_problem(values[0], args.messages_column) if use_messages else next(
+                    (f"has no '{column}' text" for column, value in zip(columns, values)
+                     if not isinstance(value, str)), None)
+                if problem:
+                    return split, start + offset, problem
+    return None
+
+
+def chat_problem(messages, column: str) -> str | None:
+    """What makes a row's chat turns untrainable, or None."""
+    if not messages:
+        return f"has no chat turns in '{column}'"
+    for number, message in enumerate(messages, 1):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
+    if not any(message["role"] == "assistant" for message in messages):
+        return "has no assistant turn: nothing in it to learn"
+    return None
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -20,10 +20,11 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
-from functools import partial  # feature: lora
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +57,7 @@ from common.features.checksums import record_files, verify_checkpoint  # feature
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
-from common.features.disk import stop_if_disk_full  # feature: full disk
+from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, export_adapter, export_merged_model, frozen_base_left_out)  # feature: lora
@@ -155,7 +156,7 @@ def load_classification_data(args, accelerator, config, resume_from: str | None)
     columns = {args.text_column: "--text_column", args.label_column: "--label_column"}
     if pair_column:
         columns[pair_column] = "--text_pair_column"
-    raw = load_raw_datasets(args, columns)
+    raw = load_raw_datasets(args, columns, check_rows=partial(find_unusable_label, column=args.label_column))
     if pair_column is None and "text_pair" in raw["train"].column_names:
         pair_column = "text_pair"
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
@@ -187,6 +188,7 @@ def exporter(args):
     export = export_model
     if args.use_peft:  # feature: lora
         export = export_adapter  # the adapter alone, in peft's format
+    export = explain_full_disk(export)  # feature: full disk
     export = export_if_finite(export)  # feature: divergence guard
     return export
 
@@ -390,6 +392,38 @@ def discover_labels(raw, column: str) -> tuple[list[str], dict]:
     if unseen:
         fail(f"the validation split has labels the training split lacks: {sorted(map(str, unseen))[:5]}")
     return [str(v) for v in values], {v: i for i, v in enumerate(values)}
+
+
+def find_unusable_label(raw, column: str) -> tuple[str, int, str] | None:
+    """The first row (split, index, problem) whose label is missing or of another kind than the first label's.
+
+    Mixed, every spelling would be a class of its own: a CSV column of `0`, `1`, `yes` and `no` (all strings to
+    `datasets`) trains four classes where the user meant two. Names only, or numbers only, are taken as they are.
+    """
+    first = None  # (split, row, label): the kind of the first label is the one every label must have
+    for split in ("train", "validation"):
+        if split not in raw or column not in raw[split].column_names or \
+                isinstance(raw[split].features[column], ClassLabel):
+            continue  # the column check names a missing column; a ClassLabel holds ids of named classes
+        for row, label in enumerate(raw[split][column]):
+            if label is None:
+                return split, row, f"has no label (column '{column}')"
+            if first is None:
+                first = (split, row, label)
+            elif label_kind(label) != label_kind(first[2]):
+                where = f"row {first[1] + 1}" + (" of the training data" if first[0] != split else "")
+                return split, row, (f"has label {label!r}, {label_kind(label)}, where {where} has {first[2]!r}, "
+                                    f"{label_kind(first[2])}: write every label as a name or every label as a number "
+                                    "(mixed, each spelling would train a class of its own)")
+    return None
+
+
+def label_kind(label) -> str:
+    """A number, a number written as text (as `datasets` reads a CSV column that also holds names), or a name."""
+    if isinstance(label, str):
+        number = re.fullmatch(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", label)
+        return "a number written as text" if number else "a name"
+    return "a number" if isinstance(label, (int, float)) and not isinstance(label, bool) else "a name"
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_l
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
-from common.features.disk import stop_if_disk_full  # feature: full disk
+from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
@@ -217,6 +217,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
 def exporter(args):
     """How the trained model is written (common/export.py; the features below wrap or replace it)."""
     export = export_model
+    export = explain_full_disk(export)  # feature: full disk
     export = export_if_finite(export)  # feature: divergence guard
     return export
 

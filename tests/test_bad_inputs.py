@@ -261,3 +261,37 @@ def test_output_dir_holding_what_the_run_loads_is_one_line(capsys, tmp_path, fla
     assert err == (f"error: --output_dir {output_dir} is or contains {flag} {model}, which this run loads: its export "
                    "(and --overwrite_output_dir) would write over it; choose another --output_dir")
     assert tree(model) == before and sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_whitespace_only_data_file_is_one_line(capsys, tmp_path):
+    """datasets said "cannot read ...: Couldn't cast" for a JSON lines file of blank lines."""
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("  \n\n\t\n")
+    assert one_line_error(capsys, ["--train_file", str(blank), "--output_dir", str(tmp_path / "out")]) == (
+        f"error: --train_file {blank}: the file holds only whitespace, no rows")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("train,validation,problem", [
+    (b'{"text": "a"}\n{"text": "b"}\n', b'{"text": "a"}\n{"text": "caf\xe9"}\n',
+     "--validation_file {validation}: line 2 is not UTF-8 text (byte 0xe9 at column 14)"),
+    (b'{"text": "a"}\n{"text": "b"}\n', b'{"text": "a", "source": "x"}\n',
+     "--train_file {train} has no column 'source', which --validation_file {validation} has: give both files the "
+     "same columns"),
+], ids=["not-utf8-in-validation-jsonl", "column-missing-from-train-only"])
+def test_unreadable_json_lines_name_the_file(capsys, tmp_path, train, validation, problem):
+    """A JSON lines validation file is read with the train file's columns: datasets read the bad byte without a word
+    (a UnicodeDecodeError traceback when the rows were tokenized) and stopped at an extra column with "Couldn't
+    cast". Both are one line naming the file (and the line)."""
+    from common.data import load_raw_datasets
+
+    files = {"train": tmp_path / "train.jsonl", "validation": tmp_path / "validation.jsonl"}
+    files["train"].write_bytes(train)
+    files["validation"].write_bytes(validation)
+    args = pretrain.parse_args(["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
+                                "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit) as exc:
+        load_raw_datasets(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars come first
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err

@@ -376,3 +376,35 @@ def test_the_processes_share_the_checksums_evenly():
         assert sorted(n for part in parts for n in part) == sorted(sizes)
         loads = [sum(sizes[n] for n in part) for part in parts]
         assert max(loads) - min(loads) <= max(sizes.values())
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_full_disk_during_the_export_is_one_line_and_leaves_no_part_of_it(reference, corpus, processes):
+    """A real full disk (a 3 MiB tmpfs) when the final export writes its 4.5 MB of weights: a safetensors traceback
+    left config.json without weights. Now the export is written aside and moved into place once complete: one line,
+    and no part of it in the folder; with 2 processes, the main process alone writes and every process stops."""
+    from conftest import launcher
+
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
+    out, copy = reference / f"small_export_disk_{processes}", reference / f"small_export_disk_{processes}_copy"
+    out.mkdir()
+    cmd = pretrain_command(corpus, reference / "cache", out, "--max_steps", "2")
+    if processes == 2:
+        cmd = launcher("cpu_2proc.yaml", 2) + cmd[1:]
+    mount_run_copy = 'mount -t tmpfs -o size=3m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount_run_copy, str(out),
+                           *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COPY": str(copy)})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    print(errors)
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: disk full: the model could not be exported to {out} (filesystem {out}, ") and errors[0].endswith(
+        " MiB free after removing the partial export; nothing of it was left): free some space, then rerun with "
+        "--overwrite_output_dir (there is no checkpoint to resume)"), proc.stderr[-3000:]
+    if processes == 1:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == errors[0]
+    else:  # the launcher's status and report (tests/test_bad_inputs.py)
+        assert proc.returncode == 1 and f"traceback : {errors[0]}" in proc.stderr
+    assert sorted(os.listdir(copy)) == [".lock", "metrics.jsonl"]  # no config.json, no weights, no leftover

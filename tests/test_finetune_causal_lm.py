@@ -298,3 +298,40 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(sft, tmp_pat
     assert train_losses(str(tmp_path / "copy")) == train_losses(original)
     assert max_difference(weights(str(tmp_path / "copy")), weights(original)) == 0
 
+
+@pytest.mark.parametrize("rows,problem", [
+    ({"train": [{"prompt": "Q: alpha\nA:", "completion": " beta"}] * 5 + [{"prompt": "Q: gamma\nA:"}]},
+     "--train_file {train}: row 6 has no 'completion' text"),
+    ({"train": [{"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]},
+                {"messages": [{"role": "human", "content": "alpha"}, {"role": "assistant", "content": "beta"}]}]},
+     "--train_file {train}: row 2 has role 'human' in turn 1 (the roles are system, user, assistant, tool)"),
+    ({"validation": [{"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]},
+                     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "alpha"}]}]},
+     "--validation_file {validation}: row 2 has no assistant turn: nothing in it to learn"),
+], ids=["missing-completion", "unknown-role", "no-assistant-turn"])
+def test_rows_that_cannot_be_trained_on_are_one_line_naming_the_row(sft, tmp_path, capsys, rows, problem):
+    """In-process, as the script loads its data, before any tokenizing. A JSON row without `completion` among good
+    rows stopped the tokenizing with a TypeError; a chat turn of an unknown role was trained on, and a conversation
+    without an assistant turn was dropped as if "their prompt fills --max_seq_length"."""
+    from accelerate import Accelerator
+
+    from common.modeling import load_finetuning_config
+
+    ft = load_script("finetune_causal_lm")
+    chat = "messages" in next(iter(rows.values()))[0]
+    good = [{"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]}] * 4 \
+        if chat else [{"prompt": "Q: alpha\nA:", "completion": " beta"}] * 4
+    files = {}
+    for split in ("train", "validation"):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(row) + "\n" for row in rows.get(split, good)))
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    args = ft.parse_args(["--model_name_or_path", sft["model"], "--train_file", str(files["train"]),
+                          "--validation_file", str(files["validation"]), "--chat_template",
+                          str(tmp_path / "chat.jinja"), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exc:
+        ft.load_sft_data(args, Accelerator(cpu=True), load_finetuning_config(args), None)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err
+    assert not any("Tokenizing" in line for line in err)

@@ -243,3 +243,61 @@ def test_best_model_survives_a_resume(tiny, tmp_path):
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     assert {k: v for k, v in results(resumed).items() if k.startswith(("eval_", "exported"))} == \
         {k: v for k, v in results(uninterrupted).items() if k.startswith(("eval_", "exported"))}
+
+
+def test_labels_that_mix_numbers_with_names_are_one_line_naming_the_row(tiny, tmp_path):
+    """A CSV label column of `0`, `1`, `yes` and `no` is four strings to `datasets`: the classifier trained four
+    classes (one INFO line, exit 0). Mixed labels are refused before any tokenizing, naming the file and the row."""
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text("text,label\n" + "".join(f"wonderful film {i},{('0', '1', 'yes', 'no')[i % 4]}\n"
+                                              for i in range(16)))
+    out = tmp_path / "out"
+    proc = classify({**tiny, "train": str(mixed), "validation": str(mixed)}, str(out), *TINY_TRAINING, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --train_file {mixed}: row 3 has label 'yes', a name, where row 1 has '0', a number written as text: "
+        "write every label as a name or every label as a number (mixed, each spelling would train a class of its own)")
+    assert "Tokenizing" not in proc.stderr and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("train_labels,validation_labels,problem", [
+    ([0, 1, "positive", "negative"], [0, 1], "--train_file {train}: row 3 has label 'positive', a name, where row 1 "
+     "has 0, a number: write every label as a name or every label as a number (mixed, each spelling would train a "
+     "class of its own)"),
+    (["positive", "negative"], [1, 0], "--validation_file {validation}: row 1 has label '1', a number written as text, "
+     "where row 1 of the training data has 'positive', a name: write every label as a name or every label as a number "
+     "(mixed, each spelling would train a class of its own)"),
+    ([0, 1], [1, "negative"], "--validation_file {validation}: row 2 has label 'negative', which the column's type in "
+     "--train_file {train} (int64) cannot hold: give the column the same kind of values in both files"),
+    (["positive", "negative"], ["negative", None], "--validation_file {validation}: row 2 has no label (column "
+     "'label')"),
+], ids=["numbers-and-names-in-one-file", "names-then-numbers", "numbers-then-names", "missing-label"])
+def test_labels_of_mixed_types_are_one_line_naming_the_row(tiny, tmp_path, capsys, train_labels, validation_labels,
+                                                           problem):
+    """In-process, as the script loads its data: JSON labels of both types in one file stopped sorting them with a
+    TypeError; across the files `datasets` casts the validation labels to the train file's type (text to int64 fails
+    with "Failed to parse string"; numbers become text that looked like classes the training split lacks)."""
+    import importlib.util
+
+    from accelerate import Accelerator
+
+    from conftest import SCRIPTS
+
+    from common.modeling import load_finetuning_config
+
+    spec = importlib.util.spec_from_file_location("finetune_classifier",
+                                                  os.path.join(SCRIPTS, "finetune_classifier.py"))
+    classifier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(classifier)
+    files = {}
+    for split, labels in (("train", train_labels), ("validation", validation_labels)):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps({"text": f"wonderful film {i}", "label": label}) + "\n"
+                                        for i, label in enumerate(labels * 4 if split == "train" else labels)))
+    args = classifier.parse_args(["--model_name_or_path", tiny["model"], "--train_file", str(files["train"]),
+                                  "--validation_file", str(files["validation"]), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exc:
+        classifier.load_classification_data(args, Accelerator(cpu=True), load_finetuning_config(args), None)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err

@@ -164,7 +164,7 @@ def guard_error(capsys, corpus, runs, *changed: str, num_processes: int = 1, scr
             argv += [flag, value]
     args = pretrain.parse_args(argv)
     try:
-        launch = SimpleNamespace(num_processes=num_processes, distributed_type="MULTI_CPU")
+        launch = SimpleNamespace(num_processes=num_processes, distributed_type="MULTI_CPU", mixed_precision="no")
         run = RunRecord(args, script, launch, pretrain.load_config(args), pretrain.data_flags(args), None)
         saved = json.loads((checkpoint / "run.json").read_text())
         run.add_data(tokenizer or AutoTokenizer.from_pretrained(checkpoint / "tokenizer"),
@@ -445,3 +445,44 @@ def test_new_hyperparameters_through_the_script(corpus, runs):
     assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 and g["initial_lr"] == 1e-3 for g in groups)
     assert torch.load(checkpoint / "scheduler.bin", weights_only=False)["base_lrs"] == [1e-3, 1e-3]
     assert json.loads((checkpoint / "run.json").read_text())["hyperparameters"]["max_grad_norm"] == 0.5
+
+
+def test_an_epoch_length_that_the_accumulation_changes_is_refused_saying_why(capsys, corpus, runs):
+    """The same global batch cut with other accumulation steps: an epoch whose last global batch is partial can gain
+    or lose that step (a trailing partial accumulation window is dropped), so the epoch's step count differs and the
+    resume is refused. The line said only "the data or the way per-device batch x accumulation cuts it differs"; it
+    now says why and which accumulation steps resume."""
+    from torch.utils.data import DataLoader
+
+    from common.steps import count_optimizer_steps
+
+    def steps_per_epoch(blocks: int, per_device: int, accumulation: int, processes: int, drop_last=False) -> int:
+        loader = DataLoader(range(blocks), batch_size=per_device, drop_last=drop_last)
+        return count_optimizer_steps(loader, accumulation, processes, 0, 1)[0]
+
+    # docs/fault-tolerance.md's example, global batch 4: only the accumulation steps decide the epoch's length
+    assert steps_per_epoch(1393, 4, 1, 1) == steps_per_epoch(1393, 2, 1, 2) == steps_per_epoch(1393, 1, 1, 4) == 349
+    assert steps_per_epoch(1393, 2, 2, 1) == steps_per_epoch(1393, 1, 2, 2) == 348
+    assert steps_per_epoch(1393, 4, 1, 1, True) == steps_per_epoch(1393, 2, 2, 1, True) == 348  # the classifier's
+    saved = json.loads((runs / "reference" / "checkpoints" / "step_3" / "run.json").read_text())["steps_per_epoch"]
+    assert guard_error(capsys, corpus, runs, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+                       steps_per_epoch=saved + 1) == (
+        f"an epoch of the checkpoint's run has {saved} optimizer steps, this run's has {saved + 1}: the epoch does not "
+        "end on a whole global batch, and whether its last, partial one makes a step depends on the accumulation "
+        "steps (2 in the checkpoint, 1 now); resume with --gradient_accumulation_steps 2 (the per-device batch and "
+        "the process count may change if the global batch stays 8)")
+
+
+def test_another_precision_on_resume_is_one_warning_line(corpus, runs):
+    """`--bf16` on the fp32 reference's step-3 checkpoint was accepted without a word. It still is, with one line."""
+    out = runs / "bf16-resumed"
+    resume_from(runs / "reference", 3, out)
+    checkpoint = out / "checkpoints" / "step_3"
+    assert json.loads((checkpoint / "run.json").read_text())["mixed_precision"] == "no"
+    proc = run_script("pretrain_llama.py", *flags(corpus, runs / "cache", out, 4, 2, "--resume_from_checkpoint",
+                                                  "latest", "--bf16"))
+    lines = [line.split("WARNING common.run_record: [RANK 0] ")[1] for line in proc.stderr.splitlines()
+             if "WARNING common.run_record" in line]
+    assert lines == [f"Resuming {checkpoint} in bf16 mixed precision; the checkpoint was trained in fp32: the run goes "
+                     "on from the checkpoint's state, but its losses will not continue the fp32 run's exactly"]
+    assert json.loads((out / "checkpoints" / "step_6" / "run.json").read_text())["mixed_precision"] == "bf16"

@@ -8,7 +8,8 @@ Properties:
   on with the uninterrupted batches and passes, with and without loader workers;
 - resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
   checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
-  crosses a pass boundary after the resume, and the checkpoint holds one stream position per process;
+  crosses a pass boundary after the resume, and the checkpoint holds one stream position per process; the resumed
+  run's own checkpoint (step 2K) resumed again reaches step N the same way (a second resume);
 - a stream position saved by another process count (or none) is one error line on resume, and so is
   `--streaming` without `--max_steps`.
 """
@@ -171,17 +172,13 @@ def train_stream(stream_corpus, output_dir, processes: int, *extra: str) -> None
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_resume_equals_uninterrupted(stream_corpus, tmp_path, processes):
-    full = tmp_path / "full"
-    train_stream(stream_corpus, full, processes, "--checkpointing_steps", str(STOP), "--save_total_limit", "9")
+def test_resume_equals_uninterrupted(stream_runs, processes):
+    full, resumed = stream_runs(processes)
     checkpoint = full / "checkpoints" / f"step_{STOP}"
     # one position per process (save_state alone writes one loader state, rank 0's, for all)
     positions = [json.loads((checkpoint / f"stream_position_rank{r}.json").read_text()) for r in range(processes)]
     assert [p["epoch"] for p in positions] == [0] * processes  # stopped inside the first pass
 
-    resumed = tmp_path / "resumed"
-    shutil.copytree(checkpoint, resumed / "checkpoints" / f"step_{STOP}")
-    train_stream(stream_corpus, resumed, processes, "--resume_from_checkpoint", "latest")
     want, got = train_losses(str(full)), train_losses(str(resumed))
     assert sorted(got) == list(range(STOP + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
@@ -220,3 +217,39 @@ def test_streaming_needs_max_steps(stream_corpus, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --streaming needs --max_steps: a stream has no length to count epochs in"]
+
+
+@pytest.fixture(scope="module")
+def stream_runs(stream_corpus, tmp_path_factory):
+    """`runs(processes)`: (the uninterrupted run, the run resumed from its step-STOP checkpoint alone in a fresh
+    folder), made once per process count; both save a checkpoint every STOP steps and keep them."""
+    made = {}
+
+    def runs(processes: int):
+        if processes not in made:
+            d = tmp_path_factory.mktemp(f"stream-{processes}proc")
+            keep = ("--checkpointing_steps", str(STOP), "--save_total_limit", "9")
+            train_stream(stream_corpus, d / "full", processes, *keep)
+            shutil.copytree(d / "full" / "checkpoints" / f"step_{STOP}", d / "resumed" / "checkpoints" / f"step_{STOP}")
+            train_stream(stream_corpus, d / "resumed", processes, "--resume_from_checkpoint", "latest", *keep)
+            made[processes] = d / "full", d / "resumed"
+        return made[processes]
+
+    return runs
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_second_resume_equals_uninterrupted(stream_corpus, stream_runs, tmp_path, processes):
+    """The resumed run's own step-6 checkpoint, alone in a fresh folder, resumed again: step 9 with the uninterrupted
+    run's losses and bit-identical weights. `datasets` has had a bug where an IterableDataset's saved state stops
+    advancing after the first resume, so a second resume restarts the stream where the first one began: guarded here
+    against upgrades."""
+    full, first = stream_runs(processes)
+    second = tmp_path / "second"
+    shutil.copytree(first / "checkpoints" / f"step_{2 * STOP}", second / "checkpoints" / f"step_{2 * STOP}")
+    train_stream(stream_corpus, second, processes, "--resume_from_checkpoint", "latest")
+    want, got = train_losses(str(full)), train_losses(str(second))
+    assert sorted(got) == list(range(2 * STOP + 1, STEPS + 1))
+    assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

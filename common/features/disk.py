@@ -4,8 +4,11 @@ checkpoint is intact, how to continue)."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import re
 import shutil
+from collections.abc import Callable
 
 from common.checkpoint import complete_checkpoints
 from common.errors import fail
@@ -22,6 +25,9 @@ def disk_refuses_writes(exc: BaseException, folder: str) -> bool:
     """
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        number = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors' errors carry it in their text only
+        if number and int(number.group(1)) in DISK_FULL_ERRNOS:
             return True
         exc = exc.__cause__ or exc.__context__
     probe = os.path.join(folder, f"{LEFTOVER_PREFIX}probe")
@@ -61,3 +67,22 @@ def stop_if_disk_full(exc: BaseException, partial: str, step: int) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         output_dir = os.path.dirname(os.path.dirname(partial))  # <output_dir>/checkpoints/.tmp-step_N
         fail(disk_full_message(output_dir, step, complete_checkpoints(output_dir)))
+
+
+def explain_full_disk(export: Callable) -> Callable:
+    """`export` (common/export.py) whose write, failing on a full disk, stops every rank with one line."""
+    return functools.partial(export, explain_failed_write=export_disk_full_message)
+
+
+def export_disk_full_message(exc: BaseException, partial: str) -> str | None:
+    """The one line an export that found the disk full ends the run with (None: another error)."""
+    if not disk_refuses_writes(exc, partial):
+        return None
+    output_dir = os.path.dirname(partial)
+    free_mib = shutil.disk_usage(output_dir).free / 2**20
+    checkpoints = complete_checkpoints(output_dir)
+    then = (f"rerun with --resume_from_checkpoint auto ({checkpoints[-1]} is intact)" if checkpoints else
+            "rerun with --overwrite_output_dir (there is no checkpoint to resume)")
+    return (f"disk full: the model could not be exported to {output_dir} (filesystem {mount_point(output_dir)}, "
+            f"{free_mib:.0f} MiB free after removing the partial export; nothing of it was left): free some space, "
+            f"then {then}")

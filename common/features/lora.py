@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from common.errors import fail
-from common.export import use_tokenizer_special_tokens
+from common.export import use_tokenizer_special_tokens, write_all_or_nothing
 from common.inputs.modeling import outside_zero3
 from common.paths import MERGED_DIR
 from common.upstream import prepared_models, save_state_pre_hooks
@@ -237,15 +238,16 @@ def check_vocab_size(config, vocab_size: int) -> None:
              "embeddings would stay untrained (the base is frozen); use the model's own tokenizer")
 
 
-def export_adapter(accelerator: Accelerator, model, tokenizer, output_dir: str) -> bool:
+def export_adapter(accelerator: Accelerator, model, tokenizer, output_dir: str,
+                   explain_failed_write: Callable | None = None) -> bool:
     """`common.export.export_model` for a LoRA run: adapter_config.json + adapter_model.safetensors (for
     `PeftModel.from_pretrained`) and the tokenizer; True, as `export_model`. Collective."""
     accelerator.wait_for_everyone()
     state_dict = adapter_state_dict(accelerator, model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    write_all_or_nothing(accelerator, output_dir, tokenizer,
+                         lambda folder: unwrapped.save_pretrained(folder, state_dict=state_dict),
+                         explain_failed_write=explain_failed_write)
     return True
 
 

@@ -67,6 +67,7 @@ class RunRecord:
             "optim": args.optim,
         }
         self.hyperparameters = {name: getattr(args, name) for name in HYPERPARAMETERS}
+        self.mixed_precision = accelerator.mixed_precision
         if args.validation_file:  # the split share only counts when validation is cut from train
             self.fields.pop("validation_split_percentage", None)
         self.tokenizer = None
@@ -75,6 +76,7 @@ class RunRecord:
             check_run_record(resume_from, self.fields)
             check_run_length(resume_from, args.max_steps)
             report_new_hyperparameters(resume_from, self.hyperparameters)
+            report_new_precision(resume_from, self.mixed_precision)
 
     def add_data(self, tokenizer, steps_per_epoch: int | None) -> None:
         """What is known once the data is loaded: the tokenizer (saved with each checkpoint) and the epoch length."""
@@ -88,7 +90,8 @@ class RunRecord:
     def write(self, path: str) -> None:
         """Into a checkpoint folder (main process): run.json and the tokenizer."""
         with open(os.path.join(path, RUN_RECORD), "w", encoding="utf-8") as f:
-            json.dump({**self.fields, "hyperparameters": self.hyperparameters}, f, indent=1)
+            json.dump({**self.fields, "hyperparameters": self.hyperparameters, "mixed_precision": self.mixed_precision},
+                      f, indent=1)
         self.tokenizer.save_pretrained(os.path.join(path, TOKENIZER_DIR))
 
 
@@ -147,7 +150,8 @@ def check_run_record(path: str, fields: dict) -> None:
     grouped = fields.get("group_by_length")
     for key, value in fields.items():
         if key in saved and _differs(key, saved[key], value, grouped):
-            fail(f"--resume_from_checkpoint {path}: {_difference(key, saved[key], value, path)}")
+            batches = saved.get("global_batch"), fields.get("global_batch")
+            fail(f"--resume_from_checkpoint {path}: {_difference(key, saved[key], value, path, batches)}")
 
 
 def saved_record(path: str) -> dict:
@@ -181,6 +185,18 @@ def report_new_hyperparameters(path: str, current: dict) -> None:
                        "is this run's from the checkpoint's step on, the optimizer's moments are the checkpoint's")
 
 
+def report_new_precision(path: str, current: str) -> None:
+    """One line when this resume trains in another precision than the checkpoint (accepted: the weights and the
+    optimizer's state are restored as saved, the forward and backward passes change)."""
+    saved = saved_record(path).get("mixed_precision")
+    if saved and saved != current:
+        def name(precision):
+            return "fp32" if precision == "no" else f"{precision} mixed precision"
+        logger.warning(f"Resuming {path} in {name(current)}; the checkpoint was trained in {name(saved)}: the run "
+                       f"goes on from the checkpoint's state, but its losses will not continue the {name(saved)} run's "
+                       "exactly")
+
+
 def _differs(key: str, saved, current, grouped: bool) -> bool:
     if key == "global_batch":  # length-grouped batches are cut from the order by per-device batch size
         fields = ("sequences", "per_device") if grouped else ("sequences",)
@@ -192,8 +208,8 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
     return saved != current
 
 
-def _difference(key: str, saved, current, path: str) -> str:
-    """The one-line explanation of a field that differs."""
+def _difference(key: str, saved, current, path: str, batches: tuple = (None, None)) -> str:
+    """The one-line explanation of a field that differs (`batches`: the checkpoint's and this run's global batch)."""
     if key == "global_batch":
         def batch(g):
             return (f"{g['sequences']} ({g['per_device']} x {g['accumulation']} x {g['processes']} "
@@ -211,6 +227,16 @@ def _difference(key: str, saved, current, path: str) -> str:
         return (f"this run's tokenizer differs from the one the checkpoint was trained with (saved in "
                 f"{os.path.join(path, TOKENIZER_DIR)})")
     if key == "steps_per_epoch":
+        before, now = batches
+        if before and now and before["accumulation"] != now["accumulation"]:
+            # A trailing partial accumulation window is dropped: the epoch's last, partial global batch makes a step
+            # or not depending on the accumulation steps alone (per-device batch x processes does not change it).
+            return (f"an epoch of the checkpoint's run has {saved} optimizer steps, this run's has {current}: the "
+                    f"epoch does not end on a whole global batch, and whether its last, partial one makes a step "
+                    f"depends on the accumulation steps ({before['accumulation']} in the checkpoint, "
+                    f"{now['accumulation']} now); resume with --gradient_accumulation_steps {before['accumulation']} "
+                    f"(the per-device batch and the process count may change if the global batch stays "
+                    f"{before['sequences']})")
         return (f"an epoch of the checkpoint's run has {saved} optimizer steps, this run's has {current}: the data or "
                 "the way per-device batch x accumulation cuts it differs")
     if key == "model":

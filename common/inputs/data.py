@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
 import json
 import os
@@ -46,11 +47,22 @@ def check_data_files(train_file: str | None, validation_file: str | None) -> Non
             fail(f"{flag} {path}: unsupported extension (use one of {', '.join(DATA_EXTENSIONS)})")
         if os.path.getsize(path) == 0:
             fail(f"{flag} {path}: the file is empty")
+        if holds_only_whitespace(path):  # datasets would say "Couldn't cast"
+            fail(f"{flag} {path}: the file holds only whitespace, no rows")
     if validation_file and not train_file:
         fail("--validation_file needs --train_file")
     if validation_file and data_format(train_file) != data_format(validation_file):
         fail(f"--train_file {train_file} and --validation_file {validation_file} must have the same format "
              f"({data_format(train_file)} vs {data_format(validation_file)})")
+
+
+def holds_only_whitespace(path: str) -> bool:
+    """Reads up to the first byte that is not whitespace: the start of the file, for any file with data."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True
 
 
 def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> dict[str, str]:
@@ -93,13 +105,17 @@ def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYT
     return splits
 
 
-def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None) -> DatasetDict:
+def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None,
+                      check_rows: Callable[[DatasetDict], tuple[str, int, str] | None] | None = None) -> DatasetDict:
     """train/validation splits from the hub, local files, or (when neither is given) the embedded default corpus.
 
-    `columns` maps each column the caller needs to the flag that names it (default: --text_column).
+    `columns` maps each column the caller needs to the flag that names it (default: --text_column). `check_rows`
+    returns the first row the caller cannot train on as (split, row index, what is wrong), or None; it sees the
+    splits as read, before any is cut or shortened, so the row it names is the file's.
     """
     if args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name)
+        where = {split: f"--dataset_name {args.dataset_name} ({split} split)" for split in raw}
     else:
         files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
         if getattr(args, "validation_file", None):
@@ -108,10 +124,17 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
         try:
             raw = load_dataset(builder, data_files=files, **kwargs)
+            for split in raw.values():  # a JSON file read with the train file's columns is not checked for UTF-8
+                split.data.validate(full=True)
         except Exception as e:  # datasets names neither the file nor the row: find them
             fail(describe_unreadable_data(files, builder, e))
+        where = {split: f"--{split}_file {path}" for split, path in files.items()}
     if "train" not in raw:
         fail(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
+    found = check_rows(raw) if check_rows else None
+    if found:
+        split, row, problem = found
+        fail(f"{where[split]}: row {row + 1} {problem}")
     if "validation" not in raw:
         if args.validation_split_percentage <= 0 or len(raw["train"]) < 2:
             fail("no validation data: pass --validation_file or a --validation_split_percentage > 0 with more data")
@@ -133,11 +156,20 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
 
 
 def describe_unreadable_data(files: dict[str, str], builder: str, error: Exception) -> str:
-    """One line for data files `datasets` could not read: the file, and the line that is not UTF-8 or not JSON."""
+    """One line for data files `datasets` could not read: the file, and the line that is not UTF-8 or not JSON, or
+    the column or value of the validation file that the train file's columns cannot hold."""
     for split, path in files.items():
         problem = find_bad_row(path, builder)
         if problem:
             return f"--{split}_file {path}: {problem}"
+    if "validation" in files and builder != "text":  # datasets reads it with the train file's columns and types
+        extra = sorted(columns_of(files["validation"], builder) - columns_of(files["train"], builder))
+        if extra:
+            return (f"--train_file {files['train']} has no column {', '.join(map(repr, extra))}, which "
+                    f"--validation_file {files['validation']} has: give both files the same columns")
+        mismatch = find_value_of_another_type(files, builder)
+        if mismatch:
+            return mismatch
     while error.__cause__ or error.__context__:  # the innermost error says what went wrong
         error = error.__cause__ or error.__context__
     detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -177,6 +209,48 @@ def find_bad_row(path: str, builder: str) -> str | None:
                 json.load(f)
         except ValueError as e:
             return f"not valid JSON ({e})"
+    return None
+
+
+def columns_of(path: str, builder: str) -> set[str]:
+    """The column names of a data file: a CSV header, a parquet schema, or every key of the JSON rows."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        return set(pq.ParquetFile(path).schema_arrow.names)
+    with open(path, encoding="utf-8", newline="") as f:
+        if builder == "csv":
+            return set(next(csv.reader(f), []))
+        text = f.read()
+    try:
+        rows = json.loads(text)  # one document holding a list of rows
+    except ValueError:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return {key for row in (rows if isinstance(rows, list) else [rows]) if isinstance(row, dict) for key in row}
+
+
+def find_value_of_another_type(files: dict[str, str], builder: str) -> str | None:
+    """The first value of the validation file that its column's type in the train file cannot hold (`datasets` reads
+    the validation file with the train file's column types: text such as `no` in a column of integers fails), or
+    None. Each file is read again on its own: only after a failed load."""
+    import pyarrow as pa
+
+    try:
+        train, validation = (load_dataset(builder, data_files={split: files[split]}, split=split)
+                             for split in ("train", "validation"))
+    except Exception:
+        return None
+    for column in validation.column_names:
+        want = getattr(train.features.get(column), "pa_type", None)
+        if want is None or validation.features[column] == train.features[column]:
+            continue
+        for row, value in enumerate(validation[column]):
+            try:
+                pa.array([value]).cast(want)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                return (f"--validation_file {files['validation']}: row {row + 1} has {column} {value!r}, which the "
+                        f"column's type in --train_file {files['train']} ({want}) cannot hold: give the column the "
+                        "same kind of values in both files")
     return None
 
 
