@@ -35,7 +35,7 @@ from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, pe
 from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
                                     load_config)
 from common.optim import create_optimizer
-from common.runtime import use_all_cores
+from common.features.cpu_threads import use_all_cores
 from common.flags import check_common_flags
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     check_block_size(config, args.block_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
-        use_all_cores()  # the script's thread policy on CPUs (build_accelerator applies it there)
+        use_all_cores()  # the recipes' thread policy on CPUs
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     set_seed(args.seed)

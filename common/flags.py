@@ -102,17 +102,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="Seconds a collective may wait for the other processes before the run fails.")
 
 
-def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
-    """The flags both fine-tuning scripts share: sequence length, length grouping, freezing."""
-    g = parser.add_argument_group("fine-tuning")
-    g.add_argument("--max_seq_length", type=int, default=None,
-                   help="Truncate longer examples (None: the tokenizer's limit, capped by the script).")
-    g.add_argument("--group_by_length", action="store_true",
-                   help="Batches of similar lengths (less padding); evaluation sorted by length.")
-    g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")
-    g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
-
-
 def check_common_flags(args: argparse.Namespace) -> None:
     """The flags of the model, data and training groups (the data files: common/inputs/data.py); hub ids are not
     checked here (they fail at load time with the hub's message)."""
@@ -191,19 +180,6 @@ def check_writable_folder(path: str, flag: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
-
-
-def check_finetuning_flags(args: argparse.Namespace) -> None:
-    """Fine-tuning starts from pretrained weights; the shared and the fine-tuning flags."""
-    check_common_flags(args)
-    if not args.model_name_or_path:
-        fail("fine-tuning needs --model_name_or_path (a local folder or a hub id)")
-    if args.config_name:
-        fail("--config_name builds a model from scratch; fine-tuning loads --model_name_or_path")
-    if args.max_seq_length is not None and args.max_seq_length < 2:
-        fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
-    if args.freeze_layers < 0:
-        fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
 
 
 def check_warmup(warmup_steps: int, total_steps: int, what: str = "") -> None:

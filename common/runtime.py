@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import warnings
 from datetime import timedelta
 
 import torch
@@ -39,7 +38,6 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     extra, backend = {}, None
     fsdp_on_cpu = False
     if not torch.cuda.is_available():
-        use_all_cores()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
         fsdp_on_cpu = launched_with_fsdp()
         if fsdp_on_cpu and os.environ.get("FSDP_VERSION", "1") != "2":
@@ -128,20 +126,3 @@ def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
                            "accelerate_configs/fsdp2_fp8.yaml")
     accelerator.state.fsdp_plugin = plugin
     use_fsdp_everywhere(accelerator)
-
-
-def use_all_cores() -> None:
-    """CPU runs: share the machine's cores among the local processes.
-
-    `accelerate launch` without `--cpu` starts each process with OMP_NUM_THREADS=1, which halves the speed of a
-    one-process run on a 2-core machine. A value other than 1 is taken as the user's choice and kept.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
-        # accelerate takes the count from the config file, never from the machine (a GPU config says 8)
-        warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: pass --num_processes "
-                      f"{cores} (or fewer) after --config_file to `accelerate launch`")
-    if os.environ.get("OMP_NUM_THREADS", "1") != "1":
-        return
-    torch.set_num_threads(max(1, cores // local_processes))

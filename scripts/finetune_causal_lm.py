@@ -43,12 +43,12 @@ from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_
 from common.errors import fail, fail_on_every_rank
 from common.evaluation import evaluate_causal_lm
 from common.export import export_model
-from common.flags import (ArgumentParser, add_data_args, add_finetuning_args, add_model_args, add_training_args,
-                          check_finetuning_flags)
+from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import build_default_corpus, check_data_files, get_tokenizer, load_raw_datasets
-from common.inputs.modeling import build_causal_lm, count_parameters, freeze_parameters, load_finetuning_config
+from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
+                                    freeze_parameters, load_finetuning_config)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -57,6 +57,7 @@ from common.features.activation_memory import (add_activation_memory_args, check
                                                reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
+from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
@@ -113,6 +114,7 @@ def main() -> None:
         check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     check_deepspeed_config(args)  # feature: deepspeed check
     stop_when_launcher_dies()  # feature: preemption
+    use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)
     extras = CheckpointExtras()
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums

@@ -45,6 +45,7 @@ from common.features.activation_memory import (add_activation_memory_args, check
                                                reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
+from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
@@ -98,6 +99,7 @@ def main() -> None:
         check_chunked_loss(config)
     check_deepspeed_config(args)  # feature: deepspeed check
     stop_when_launcher_dies()  # feature: preemption
+    use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)
     extras = CheckpointExtras()  # what the features below add to checkpoints
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
 
 from common.errors import fail
+from common.flags import check_common_flags
 from common.inputs import from_pretrained_or_fail
 from common.upstream import registered_zero3_config
 
@@ -51,6 +52,30 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
         preset = args.model_preset or "tiny"
         config = MixtralConfig(**MOE_PRESETS[preset]) if preset in MOE_PRESETS else LlamaConfig(**LLAMA_PRESETS[preset])
     return config
+
+
+def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both fine-tuning scripts share: sequence length, length grouping, freezing."""
+    g = parser.add_argument_group("fine-tuning")
+    g.add_argument("--max_seq_length", type=int, default=None,
+                   help="Truncate longer examples (None: the tokenizer's limit, capped by the script).")
+    g.add_argument("--group_by_length", action="store_true",
+                   help="Batches of similar lengths (less padding); evaluation sorted by length.")
+    g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")
+    g.add_argument("--freeze_layers", type=int, default=0, help="Do not train the first N transformer layers.")
+
+
+def check_finetuning_flags(args: argparse.Namespace) -> None:
+    """Fine-tuning starts from pretrained weights; the shared and the fine-tuning flags."""
+    check_common_flags(args)
+    if not args.model_name_or_path:
+        fail("fine-tuning needs --model_name_or_path (a local folder or a hub id)")
+    if args.config_name:
+        fail("--config_name builds a model from scratch; fine-tuning loads --model_name_or_path")
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        fail(f"--max_seq_length must be >= 2 (got {args.max_seq_length})")
+    if args.freeze_layers < 0:
+        fail(f"--freeze_layers must be >= 0 (got {args.freeze_layers})")
 
 
 def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:

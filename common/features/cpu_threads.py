@@ -1,0 +1,27 @@
+"""CPU runs: share the machine's cores among the local processes (a speed feature; on a GPU it does nothing)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+
+def use_all_cores() -> None:
+    """Share the cores among the local processes of a CPU run (nothing with CUDA).
+
+    `accelerate launch` without `--cpu` starts each process with OMP_NUM_THREADS=1, which halves the speed of a
+    one-process run on a 2-core machine. A value other than 1 is taken as the user's choice and kept.
+    """
+    if torch.cuda.is_available():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
+        # accelerate takes the count from the config file, never from the machine (a GPU config says 8)
+        warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: pass --num_processes "
+                      f"{cores} (or fewer) after --config_file to `accelerate launch`")
+    if os.environ.get("OMP_NUM_THREADS", "1") != "1":
+        return
+    torch.set_num_threads(max(1, cores // local_processes))
