@@ -45,14 +45,18 @@ sys.argv = [script] + sys.argv[3:]
 spec = importlib.util.spec_from_file_location("recipe", script)
 recipe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recipe)
-export_model = recipe.export_model
+exporter = recipe.exporter
 
-def export_and_dump(accelerator, model, tokenizer, output_dir):
-    state = accelerator.unwrap_model(model).state_dict()
-    torch.save({k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}, dump)
-    return export_model(accelerator, model, tokenizer, output_dir)
+def dumping_exporter(args):
+    export = exporter(args)
 
-recipe.export_model = export_and_dump
+    def export_and_dump(accelerator, model, tokenizer, output_dir):
+        state = accelerator.unwrap_model(model).state_dict()
+        torch.save({k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}, dump)
+        return export(accelerator, model, tokenizer, output_dir)
+    return export_and_dump
+
+recipe.exporter = dumping_exporter
 recipe.main()
 """
 
