@@ -7,8 +7,9 @@ Properties:
 - in-process, the stream's loader saved after any batch of a pass (the last one too) and restored into a new one goes
   on with the uninterrupted batches and passes, with and without loader workers;
 - resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
-  checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
-  crosses a pass boundary after the resume, and the checkpoint holds one stream position per process;
+  checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights, with attention
+  dropout on (the same masks); the run crosses a pass boundary after the resume, and the checkpoint holds one stream
+  position per process;
 - a stream position saved by another process count (or none) is one error line on resume, and so is
   `--streaming` without `--max_steps`.
 """
@@ -161,8 +162,8 @@ def launcher(processes: int) -> list[str]:
             "0"]
 
 
-def train_stream(stream_corpus, output_dir, processes: int, *extra: str) -> None:
-    run_script("pretrain_llama.py", "--streaming", "--model_preset", "tiny", "--tokenizer_name",
+def train_stream(stream_corpus, output_dir, processes: int, config: str, *extra: str) -> None:
+    run_script("pretrain_llama.py", "--streaming", "--config_name", config, "--tokenizer_name",
                stream_corpus["tokenizer"], "--train_file", stream_corpus["train"], "--validation_file",
                stream_corpus["validation"], "--block_size", "64", "--output_dir", str(output_dir),
                "--cache_dir", str(output_dir) + "-cache", "--max_steps", str(STEPS), "--logging_steps", "1",
@@ -171,9 +172,10 @@ def train_stream(stream_corpus, output_dir, processes: int, *extra: str) -> None
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_resume_equals_uninterrupted(stream_corpus, tmp_path, processes):
+def test_resume_equals_uninterrupted(stream_corpus, dropout_config, tmp_path, processes):
     full = tmp_path / "full"
-    train_stream(stream_corpus, full, processes, "--checkpointing_steps", str(STOP), "--save_total_limit", "9")
+    train_stream(stream_corpus, full, processes, dropout_config, "--checkpointing_steps", str(STOP),
+                 "--save_total_limit", "9")
     checkpoint = full / "checkpoints" / f"step_{STOP}"
     # one position per process (save_state alone writes one loader state, rank 0's, for all)
     positions = [json.loads((checkpoint / f"stream_position_rank{r}.json").read_text()) for r in range(processes)]
@@ -181,7 +183,7 @@ def test_resume_equals_uninterrupted(stream_corpus, tmp_path, processes):
 
     resumed = tmp_path / "resumed"
     shutil.copytree(checkpoint, resumed / "checkpoints" / f"step_{STOP}")
-    train_stream(stream_corpus, resumed, processes, "--resume_from_checkpoint", "latest")
+    train_stream(stream_corpus, resumed, processes, dropout_config, "--resume_from_checkpoint", "latest")
     want, got = train_losses(str(full)), train_losses(str(resumed))
     assert sorted(got) == list(range(STOP + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
