@@ -214,9 +214,10 @@ def build_dataloaders(args, accelerator, tokenizer, data):
     data = data.remove_columns("length")
     loader_kwargs = dict(num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    # Its own generator: a resumed run draws the uninterrupted run's dropout masks (scripts/pretrain_llama.py)
     train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None,
                                   batch_size=args.per_device_train_batch_size, collate_fn=train_collator,
-                                  **loader_kwargs)
+                                  generator=torch.Generator(), **loader_kwargs)
     eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=padded,
                                  **loader_kwargs)
     return train_dataloader, eval_dataloader

@@ -207,8 +207,10 @@ def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
     # drop_last: every micro-batch holds the same number of examples, so averaging the micro-batch means
     # (accelerate's 1/accumulation, DDP's 1/processes) is exactly the mean over the optimizer step's examples.
+    # Its own generator: a resumed run draws the uninterrupted run's dropout masks (scripts/pretrain_llama.py)
     train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None, drop_last=True,
-                                  batch_size=args.per_device_train_batch_size, **loader_kwargs)
+                                  batch_size=args.per_device_train_batch_size, generator=torch.Generator(),
+                                  **loader_kwargs)
     eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
     return train_dataloader, eval_dataloader
 

@@ -121,8 +121,11 @@ def load_data(args, accelerator, resume_from: str | None):
     data = tokenize_and_pack(args, accelerator, raw, tokenizer, args.block_size)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    # Its own generator: each new iterator draws a seed from it, not from the global RNG that dropout uses. A run
+    # resumed mid-epoch creates its iterator after the checkpoint's RNG is restored (the uninterrupted run did so at
+    # the epoch's start): from the global RNG, that one extra draw would change every later dropout mask.
     train_dataloader = DataLoader(data["train"], shuffle=True, batch_size=args.per_device_train_batch_size,
-                                  **loader_kwargs)
+                                  generator=torch.Generator(), **loader_kwargs)
     eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
     return tokenizer, train_dataloader, eval_dataloader
 

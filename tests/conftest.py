@@ -70,6 +70,19 @@ def corpus(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+@pytest.fixture(scope="session")
+def dropout_config(tmp_path_factory) -> str:
+    """A folder for --config_name: the `tiny` preset with attention dropout 0.1 (the presets have none), so that a
+    pretraining resume test also checks that the resumed run draws the uninterrupted run's dropout masks."""
+    from transformers import LlamaConfig
+
+    from common.modeling import LLAMA_PRESETS
+
+    path = tmp_path_factory.mktemp("dropout_config")
+    LlamaConfig(**LLAMA_PRESETS["tiny"], attention_dropout=0.1).save_pretrained(path)
+    return str(path)
+
+
 # ---- damaged checkpoints -------------------------------------------------------------------------------------------
 DAMAGES = ("truncated", "missing", "flipped")
 

@@ -2,8 +2,8 @@
 checkpoint damaged after it was written (a truncated file, a missing file, a flipped byte) is never resumed: `auto`
 passes over it to the newest one that verifies, saying which file; `latest` and an explicit path stop with one line.
 
-The chaos test SIGKILLs a tiny pretraining run at moments drawn from a fixed seed (one before its first checkpoint,
-several while a checkpoint is being written) and restarts it each time with the same command line
+The chaos test SIGKILLs a tiny pretraining run (attention dropout on) at moments drawn from a fixed seed (one before
+its first checkpoint, several while a checkpoint is being written) and restarts it each time with the same command line
 (`--resume_from_checkpoint auto`) until it completes; it must end exactly like the run that was never interrupted.
 """
 
@@ -43,9 +43,10 @@ def pretrain_command(corpus, cache_dir, output_dir, *extra: str) -> list[str]:
             "--max_eval_samples", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", *extra]
 
 
-def chaos_command(corpus, cache_dir, output_dir) -> list[str]:
+def chaos_command(corpus, cache_dir, output_dir, config: str) -> list[str]:
+    """With `config` holding dropout: every restart must also draw the uninterrupted run's dropout masks."""
     return pretrain_command(corpus, cache_dir, output_dir, "--max_steps", str(STEPS), "--checkpointing_steps",
-                            str(EVERY), "--resume_from_checkpoint", "auto")
+                            str(EVERY), "--resume_from_checkpoint", "auto", "--config_name", config)
 
 
 def start(cmd: list[str], log: str) -> subprocess.Popen:
@@ -112,20 +113,20 @@ def train_rows(output_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
+def reference(corpus, dropout_config, tmp_path_factory):
     """The uninterrupted run (it also fills the tokenizer and dataset caches the other runs reuse)."""
     d = tmp_path_factory.mktemp("crash")
-    proc = subprocess.run(chaos_command(corpus, d / "cache", d / "reference"), cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(chaos_command(corpus, d / "cache", d / "reference", dropout_config), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return d
 
 
 @pytest.fixture(scope="module")
-def chaos(reference, corpus):
+def chaos(reference, corpus, dropout_config):
     """Kill the run at the planned moments, restarting it with the same command each time, until it completes."""
     out, log = reference / "chaos", str(reference / "chaos.log")
-    cmd = chaos_command(corpus, reference / "cache", out)
+    cmd = chaos_command(corpus, reference / "cache", out, dropout_config)
     rng = random.Random(9)
     plan = [("save", rng.uniform(0, 0.02)) for _ in range(3)] + [("time", rng.uniform(0, 0.5))]
     rng.shuffle(plan)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, launcher, read_metrics, run_script
+from conftest import SCRIPTS, copy_checkpoints, launcher, read_metrics, run_script, train_losses
 from safetensors.torch import load_file
 
 POSITIVE = "wonderful delightful excellent brilliant superb charming lovely great enjoyable fantastic".split()
@@ -37,7 +37,9 @@ def write_reviews(path: str, n: int, seed: int, min_words: int, max_words: int) 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, str]:
-    """A 2-layer BERT (no dropout, so runs can be compared weight by weight) and reviews of 2 to 103 words."""
+    """A 2-layer BERT and reviews of 2 to 103 words. `model` has no dropout: the tests that compare runs cutting the
+    batch differently (padding, batch size, processes) need it off, as those runs cannot draw the same masks;
+    `dropout_model`, the same weights with BERT's default dropout (0.1), is for the resume test."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
     d = tmp_path_factory.mktemp("classifier")
@@ -50,8 +52,13 @@ def tiny(tmp_path_factory) -> dict[str, str]:
     torch.manual_seed(0)
     paths = {"dir": str(d), "model": str(d / "base"), "train": str(d / "train.jsonl"),
              "validation": str(d / "validation.jsonl")}
-    BertForSequenceClassification(config).bert.save_pretrained(paths["model"])  # an encoder without a head
+    encoder = BertForSequenceClassification(config).bert  # an encoder without a head
+    encoder.save_pretrained(paths["model"])
     tokenizer.save_pretrained(paths["model"])
+    paths["dropout_model"] = str(d / "base_dropout")
+    encoder.config.hidden_dropout_prob = encoder.config.attention_probs_dropout_prob = 0.1
+    encoder.save_pretrained(paths["dropout_model"])
+    tokenizer.save_pretrained(paths["dropout_model"])
     write_reviews(paths["train"], 400, seed=0, min_words=1, max_words=100)
     write_reviews(paths["validation"], 32, seed=1, min_words=1, max_words=100)
     return paths
@@ -144,6 +151,23 @@ def test_zero3_run_ends_like_the_one_process_run(tiny, dynamic_run):
     difference = max_difference(load_file(f"{out}/model.safetensors"), load_file(f"{dynamic_run}/model.safetensors"))
     print(f"ZeRO-3: {zero3['num_parameters']} parameters, max weight difference {difference:.1e}")
     assert difference < WEIGHT_TOL
+
+
+def test_resume_with_dropout_ends_at_the_uninterrupted_weights(tiny):
+    """Dropout on (0.1): a fresh folder holding only the step-3 checkpoint (mid-epoch) of a 6-step run, resumed with
+    `latest`, logs the same losses for steps 4..6 and ends at the same weights (1e-6): the resumed run draws the
+    uninterrupted run's dropout masks (when its first iterator drew from the restored global RNG, 1.4e-3 apart)."""
+    data, d = {**tiny, "model": tiny["dropout_model"]}, tiny["dir"]
+    classify(data, f"{d}/dropout_full", *TINY_TRAINING, "--checkpointing_steps", "3")
+    copy_checkpoints(f"{d}/dropout_full", f"{d}/dropout_resumed", 3)
+    classify(data, f"{d}/dropout_resumed", *TINY_TRAINING, "--resume_from_checkpoint", "latest")
+    full, resumed = train_losses(f"{d}/dropout_full"), train_losses(f"{d}/dropout_resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in resumed] == pytest.approx([full[s] for s in resumed], abs=1e-6)
+    difference = max_difference(load_file(f"{d}/dropout_resumed/model.safetensors"),
+                                load_file(f"{d}/dropout_full/model.safetensors"))
+    print(f"resumed vs uninterrupted, dropout 0.1: weights max difference {difference:.1e}")
+    assert difference < 1e-6
 
 
 def test_freezing_keeps_weights_bit_identical_and_8bit_adamw_keeps_embeddings_in_32_bits(tiny):

@@ -54,11 +54,13 @@ def test_accumulation_equals_big_batch_and_loss_falls(corpus, tmp_path):
     assert all(r["grad_norm"] > 0 and r["tokens_per_second"] > 0 for r in read_metrics(tmp_path / "big") if "lr" in r)
 
 
-def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, tmp_path):
+def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, dropout_config, tmp_path):
     """Resume from the step-8 checkpoint (mid-epoch) in a fresh folder: steps 9..12, across an epoch boundary, log
-    the same losses and end with the same weights as the run that never stopped."""
+    the same losses and end with the same weights as the run that never stopped. With attention dropout on: the
+    resumed run draws the same dropout masks (when its first iterator drew from the restored global RNG, the
+    weights ended 1.2e-3 apart)."""
     common = ("--max_steps", "12", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-              "--max_train_samples", "80", "--learning_rate", "3e-3")
+              "--max_train_samples", "80", "--learning_rate", "3e-3", "--config_name", dropout_config)
     run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "full", "--checkpointing_steps", "4",
                                                    "--save_total_limit", "2", *common))
     assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step_12", "step_8"]  # step_4 pruned
@@ -73,7 +75,9 @@ def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, tmp_path):
     full, again = train_losses(tmp_path / "full"), train_losses(resumed)
     assert sorted(again) == list(range(9, 13))
     assert [again[s] for s in again] == pytest.approx([full[s] for s in again], abs=1e-6)
-    assert max_weight_diff(tmp_path / "full", resumed) < 1e-6
+    difference = max_weight_diff(tmp_path / "full", resumed)
+    print(f"resumed vs uninterrupted, attention dropout 0.1: weights max difference {difference:.1e}")
+    assert difference < 1e-6
 
 
 def test_compiled_export_loads_and_generates(corpus, tmp_path):

@@ -7,9 +7,10 @@ Properties:
 - in-process, the stream's loader saved after any batch of a pass (the last one too) and restored into a new one goes
   on with the uninterrupted batches and passes, with and without loader workers;
 - resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
-  checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights; the run
-  crosses a pass boundary after the resume, and the checkpoint holds one stream position per process; the resumed
-  run's own checkpoint (step 2K) resumed again reaches step N the same way (a second resume);
+  checkpoint) and resumed reaches step N with the uninterrupted run's losses (LOSS_ATOL) and weights, with attention
+  dropout on (the same masks); the run crosses a pass boundary after the resume, and the checkpoint holds one stream
+  position per process; the resumed run's own checkpoint (step 2K) resumed again reaches step N the same way (a
+  second resume);
 - a stream position saved by another process count (or none) is one error line on resume, and so is
   `--streaming` without `--max_steps`.
 """
@@ -162,8 +163,8 @@ def launcher(processes: int) -> list[str]:
             "0"]
 
 
-def train_stream(stream_corpus, output_dir, processes: int, *extra: str) -> None:
-    run_script("pretrain_llama.py", "--streaming", "--model_preset", "tiny", "--tokenizer_name",
+def train_stream(stream_corpus, output_dir, processes: int, config: str, *extra: str) -> None:
+    run_script("pretrain_llama.py", "--streaming", "--config_name", config, "--tokenizer_name",
                stream_corpus["tokenizer"], "--train_file", stream_corpus["train"], "--validation_file",
                stream_corpus["validation"], "--block_size", "64", "--output_dir", str(output_dir),
                "--cache_dir", str(output_dir) + "-cache", "--max_steps", str(STEPS), "--logging_steps", "1",
@@ -220,7 +221,7 @@ def test_streaming_needs_max_steps(stream_corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def stream_runs(stream_corpus, tmp_path_factory):
+def stream_runs(stream_corpus, dropout_config, tmp_path_factory):
     """`runs(processes)`: (the uninterrupted run, the run resumed from its step-STOP checkpoint alone in a fresh
     folder), made once per process count; both save a checkpoint every STOP steps and keep them."""
     made = {}
@@ -229,9 +230,10 @@ def stream_runs(stream_corpus, tmp_path_factory):
         if processes not in made:
             d = tmp_path_factory.mktemp(f"stream-{processes}proc")
             keep = ("--checkpointing_steps", str(STOP), "--save_total_limit", "9")
-            train_stream(stream_corpus, d / "full", processes, *keep)
+            train_stream(stream_corpus, d / "full", processes, dropout_config, *keep)
             shutil.copytree(d / "full" / "checkpoints" / f"step_{STOP}", d / "resumed" / "checkpoints" / f"step_{STOP}")
-            train_stream(stream_corpus, d / "resumed", processes, "--resume_from_checkpoint", "latest", *keep)
+            train_stream(stream_corpus, d / "resumed", processes, dropout_config, "--resume_from_checkpoint", "latest",
+                         *keep)
             made[processes] = d / "full", d / "resumed"
         return made[processes]
 
@@ -239,7 +241,7 @@ def stream_runs(stream_corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_second_resume_equals_uninterrupted(stream_corpus, stream_runs, tmp_path, processes):
+def test_second_resume_equals_uninterrupted(stream_corpus, dropout_config, stream_runs, tmp_path, processes):
     """The resumed run's own step-6 checkpoint, alone in a fresh folder, resumed again: step 9 with the uninterrupted
     run's losses and bit-identical weights. `datasets` has had a bug where an IterableDataset's saved state stops
     advancing after the first resume, so a second resume restarts the stream where the first one began: guarded here
@@ -247,7 +249,7 @@ def test_second_resume_equals_uninterrupted(stream_corpus, stream_runs, tmp_path
     full, first = stream_runs(processes)
     second = tmp_path / "second"
     shutil.copytree(first / "checkpoints" / f"step_{2 * STOP}", second / "checkpoints" / f"step_{2 * STOP}")
-    train_stream(stream_corpus, second, processes, "--resume_from_checkpoint", "latest")
+    train_stream(stream_corpus, second, processes, dropout_config, "--resume_from_checkpoint", "latest")
     want, got = train_losses(str(full)), train_losses(str(second))
     assert sorted(got) == list(range(2 * STOP + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL

@@ -188,9 +188,11 @@ def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resu
     share = process_share(train, accelerator.process_index, accelerator.num_processes)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    # Its own generator: a new iterator then draws its seed from it, not from the global RNG that dropout uses (a
+    # resumed run creates one after the checkpoint's RNG is restored; from that RNG, every later mask would change).
     train_loader = StreamingLoader(accelerator, StatefulDataLoader(
         packed_blocks(share, args, tokenizer, args.block_size), batch_size=args.per_device_train_batch_size,
-        **loader_kwargs))
+        generator=torch.Generator(), **loader_kwargs))
     eval_loader = DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
     return tokenizer, train_loader, eval_loader
 
