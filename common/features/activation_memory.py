@@ -57,7 +57,7 @@ def reduce_activation_memory(model: torch.nn.Module, selective_ac_option: str | 
                              activation_offloading: bool) -> None:
     """Apply the two flags to a freshly built model (before peft and `accelerator.prepare`); a selective option takes
     the place of `--gradient_checkpointing`'s full checkpointing."""
-    checkpointing = selective_ac_option or getattr(model, "is_gradient_checkpointing", False)
+    checkpointing = selective_ac_option or getattr(model, "is_activation_checkpointing", False)
     if checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             fail(f"--selective_ac_option: {type(model).__name__} does not support activation checkpointing")
