@@ -7,7 +7,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
 
 # The versions these workarounds were written and tested for (requirements.txt pins them).
-WRITTEN_FOR = {"accelerate": "1.15.0", "transformers": "5.23.0", "torch": "2.13.0"}
+WRITTEN_FOR = {"accelerate": "1.15.0", "transformers": "5.23.0", "torch": "2.13.0", "datasets": "5.2.0"}
 
 
 def prepared_models(accelerator: Accelerator) -> list:
@@ -15,9 +15,18 @@ def prepared_models(accelerator: Accelerator) -> list:
     return accelerator._models
 
 
+def attention_implementation(config) -> str:
+    """The attention kernel a model runs (transformers 5.23: `_attn_implementation`; no public attribute)."""
+    return config._attn_implementation
+
+
+def dataset_fingerprint(dataset) -> str:
+    """A `datasets` table's content hash (datasets 5.2: `_fingerprint`; no public accessor): a cache key."""
+    return dataset._fingerprint
+
+
 def prepared_optimizers_and_schedulers(accelerator: Accelerator) -> tuple[list, list]:
-    """The torch optimizers and schedulers inside what `prepare` returned (accelerate 1.15: `_optimizers`,
-    `_schedulers`; no public accessor)."""
+    """The optimizers and schedulers `prepare` returned (accelerate 1.15: `_optimizers`, `_schedulers`; no accessor)."""
     return ([getattr(o, "optimizer", o) for o in accelerator._optimizers],
             [getattr(s, "scheduler", s) for s in accelerator._schedulers])
 
@@ -47,20 +56,15 @@ def use_fsdp_everywhere(accelerator: Accelerator) -> None:
 
 
 def keep_used_weight_conversions(model) -> None:
-    """Let `save_pretrained` undo only the key conversions that loading the model applied.
-
-    transformers 5.23 reverts a model's recorded key conversions (`_weight_conversions`) when saving. Its ZeRO-3
-    loading path records every conversion known for the model type, used or not (the other path keeps the used ones),
-    so a ZeRO-3 export of BERT had the legacy names `LayerNorm.gamma/beta` instead of `LayerNorm.weight/bias`.
-    """
+    """`save_pretrained` undoes the key conversions loading recorded (`_weight_conversions`); transformers 5.23's ZeRO-3
+    loading records every known one, used or not: a ZeRO-3 export of BERT had `LayerNorm.gamma/beta`. Keep the used."""
     conversions = getattr(model, "_weight_conversions", None)
     if conversions:
         model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
 
 
 def registered_zero3_config():
-    """transformers 5.23's registered DeepSpeed config (`_hf_deepspeed_config_weak_ref`, what
-    `is_deepspeed_zero3_enabled()` reads; no public getter), or None."""
+    """transformers 5.23's registered DeepSpeed config object (`_hf_deepspeed_config_weak_ref`; no public getter)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     reference = hf_deepspeed._hf_deepspeed_config_weak_ref

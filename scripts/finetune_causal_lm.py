@@ -53,6 +53,7 @@ from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
 from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.upstream import attention_implementation
 from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
                                                reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
@@ -420,7 +421,7 @@ def check_packing(accelerator: Accelerator, model: torch.nn.Module) -> None:
     tolerance = 1e-3 if accelerator.mixed_precision == "no" else 3e-2  # bf16/fp16 rounding, also DeepSpeed's
     if not difference <= tolerance:
         fail_on_every_rank(accelerator, f"--packing: {type(module).__name__} with attn_implementation="
-                           f"{module.config._attn_implementation} lets packed examples attend to each other "
+                           f"{attention_implementation(module.config)} lets packed examples attend to each other "
                            f"(logits differ by {difference:.2g}); use --attn_implementation flash_attention_2 or "
                            "drop --packing")
 

@@ -74,3 +74,18 @@ def test_accelerate_still_turns_fsdp_into_ddp_on_cpu():
     env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_configs_and_datasets_keep_no_public_name_for_what_is_read():
+    """attention_implementation, dataset_fingerprint: transformers' config and a `datasets` table have no public
+    attribute for the attention kernel or the content hash, and the private ones hold them."""
+    import datasets
+    from transformers import LlamaConfig
+
+    from common.upstream import attention_implementation, dataset_fingerprint
+
+    config = LlamaConfig(attn_implementation="eager")
+    assert not hasattr(type(config), "attn_implementation") and attention_implementation(config) == "eager"
+    table = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    assert not [n for n in dir(table) if "fingerprint" in n and not n.startswith("_")]
+    assert dataset_fingerprint(table) == datasets.Dataset.from_dict({"text": ["a", "b"]})._fingerprint

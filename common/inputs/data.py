@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from common.paths import TOKENIZER_DIR
 from common.errors import fail
+from common.upstream import dataset_fingerprint
 from common.inputs import from_pretrained_or_fail
 
 logger = get_logger(__name__)
@@ -285,7 +286,7 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     elif resume_from and os.path.isdir(carried):  # the tokenizer the checkpoint was trained with
         tokenizer = AutoTokenizer.from_pretrained(carried)
     else:
-        key = f"{raw['train']._fingerprint}-{vocab_size}"
+        key = f"{dataset_fingerprint(raw['train'])}-{vocab_size}"
         path = os.path.join(args.cache_dir, f"tokenizer-bpe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
         with accelerator.main_process_first():
             if not os.path.isfile(os.path.join(path, "tokenizer.json")):
