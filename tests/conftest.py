@@ -76,7 +76,7 @@ def dropout_config(tmp_path_factory) -> str:
     pretraining resume test also checks that the resumed run draws the uninterrupted run's dropout masks."""
     from transformers import LlamaConfig
 
-    from common.modeling import LLAMA_PRESETS
+    from common.inputs.modeling import LLAMA_PRESETS
 
     path = tmp_path_factory.mktemp("dropout_config")
     LlamaConfig(**LLAMA_PRESETS["tiny"], attention_dropout=0.1).save_pretrained(path)

@@ -283,7 +283,7 @@ def test_unreadable_json_lines_name_the_file(capsys, tmp_path, train, validation
     """A JSON lines validation file is read with the train file's columns: datasets read the bad byte without a word
     (a UnicodeDecodeError traceback when the rows were tokenized) and stopped at an extra column with "Couldn't
     cast". Both are one line naming the file (and the line)."""
-    from common.data import load_raw_datasets
+    from common.inputs.data import load_raw_datasets
 
     files = {"train": tmp_path / "train.jsonl", "validation": tmp_path / "validation.jsonl"}
     files["train"].write_bytes(train)

@@ -315,7 +315,7 @@ def test_rows_that_cannot_be_trained_on_are_one_line_naming_the_row(sft, tmp_pat
     without an assistant turn was dropped as if "their prompt fills --max_seq_length"."""
     from accelerate import Accelerator
 
-    from common.modeling import load_finetuning_config
+    from common.inputs.modeling import load_finetuning_config
 
     ft = load_script("finetune_causal_lm")
     chat = "messages" in next(iter(rows.values()))[0]

@@ -307,7 +307,7 @@ def test_labels_of_mixed_types_are_one_line_naming_the_row(tiny, tmp_path, capsy
 
     from conftest import SCRIPTS
 
-    from common.modeling import load_finetuning_config
+    from common.inputs.modeling import load_finetuning_config
 
     spec = importlib.util.spec_from_file_location("finetune_classifier",
                                                   os.path.join(SCRIPTS, "finetune_classifier.py"))

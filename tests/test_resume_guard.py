@@ -481,8 +481,8 @@ def test_another_precision_on_resume_is_one_warning_line(corpus, runs):
     assert json.loads((checkpoint / "run.json").read_text())["mixed_precision"] == "no"
     proc = run_script("pretrain_llama.py", *flags(corpus, runs / "cache", out, 4, 2, "--resume_from_checkpoint",
                                                   "latest", "--bf16"))
-    lines = [line.split("WARNING common.run_record: [RANK 0] ")[1] for line in proc.stderr.splitlines()
-             if "WARNING common.run_record" in line]
+    lines = [line.split("WARNING common.features.resume_guard: [RANK 0] ")[1] for line in proc.stderr.splitlines()
+             if "WARNING common.features.resume_guard" in line]
     assert lines == [f"Resuming {checkpoint} in bf16 mixed precision; the checkpoint was trained in fp32: the run goes "
                      "on from the checkpoint's state, but its losses will not continue the fp32 run's exactly"]
     assert json.loads((out / "checkpoints" / "step_6" / "run.json").read_text())["mixed_precision"] == "bf16"

@@ -255,3 +255,22 @@ def test_second_resume_equals_uninterrupted(stream_corpus, dropout_config, strea
     assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
     a, b = load_file(str(full / "model.safetensors")), load_file(str(second / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_in_the_second_pass_continues_it(stream_corpus, dropout_config, tmp_path):
+    """A run of 12 steps checkpointed at step 9, in the stream's second pass (about 7 steps per pass), resumed from
+    that checkpoint alone: steps 10-12 and the weights of the run that never stopped. A fresh loader would set the
+    stream's epoch to 0, where `datasets` restores no position, and replay the second pass from its start."""
+    straight, resumed, last = tmp_path / "straight", tmp_path / "resumed", STEPS + STOP
+    train_stream(stream_corpus, straight, 1, dropout_config, "--max_steps", str(last), "--checkpointing_steps",
+                 str(STEPS), "--save_total_limit", "9")
+    checkpoint = straight / "checkpoints" / f"step_{STEPS}"
+    assert json.loads((checkpoint / "stream_position_rank0.json").read_text())["epoch"] >= 1  # a later pass
+    shutil.copytree(checkpoint, resumed / "checkpoints" / f"step_{STEPS}")
+    train_stream(stream_corpus, resumed, 1, dropout_config, "--max_steps", str(last), "--resume_from_checkpoint",
+                 "latest")
+    want, got = train_losses(str(straight)), train_losses(str(resumed))
+    assert sorted(got) == list(range(STEPS + 1, last + 1))
+    assert max(abs(got[s] - want[s]) for s in got) <= LOSS_ATOL
+    a, b = (load_file(str(d / "model.safetensors")) for d in (straight, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -169,10 +169,12 @@ class StreamingLoader:
         if state["world_size"] != self.world_size:
             fail(f"{checkpoint_dir} was saved by {state['world_size']} processes, this run has {self.world_size}: "
                  "a stream's per-process positions resume only at the same process count")
-        if state["loader"].get("_iterator_finished"):  # saved at the end of a pass: the next one starts afresh
-            self.epoch = state["epoch"] + 1  # (a loader with workers would otherwise replay the finished pass)
-        else:
-            self.epoch = state["epoch"]
+        finished = state["loader"].get("_iterator_finished")  # saved at the end of a pass: the next starts afresh
+        self.epoch = state["epoch"] + 1 if finished else state["epoch"]  # (workers would replay a finished pass)
+        # accelerate's loader sets the stream's epoch from its own pass count when iterated, and `datasets` restores a
+        # position only in the epoch it was saved in: a fresh count (0) would replay a later pass from its start.
+        self.loader.set_epoch(self.epoch)
+        if not finished:
             self.loader.load_state_dict(state["loader"])
 
 
