@@ -44,10 +44,11 @@ def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to pass to `accelerator.backward`, this micro-batch's share of the window's token-mean loss).
 
-    `outputs.loss` must come from a forward with `num_items_in_batch=count_label_tokens(...)`. A mixture-of-experts
-    load-balancing loss, already added to `outputs.loss` by the model, is kept as a mean over micro-batches.
+    `outputs.loss`: from a forward with `num_items_in_batch=count_label_tokens(...)` (a mixture-of-experts balancing
+    loss in it stays a mean over micro-batches). Processes sharing one batch (sp_size) are averaged over once.
     """
-    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    pc = accelerator.parallelism_config
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes // (pc.non_data_parallel_size if pc else 1)
     aux = getattr(outputs, "aux_loss", None)
     if aux is None or not router_aux_loss_coef:
         return outputs.loss * scale, outputs.loss.detach()

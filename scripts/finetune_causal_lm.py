@@ -69,6 +69,7 @@ from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs,
                                   frozen_base_left_out)  # feature: lora
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
+from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
@@ -114,6 +115,7 @@ def main() -> None:
     if args.use_peft:  # feature: lora
         check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     check_deepspeed_config(args)  # feature: deepspeed check
+    refuse_sequence_parallel("finetune_causal_lm.py")  # feature: sequence parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)

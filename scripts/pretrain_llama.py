@@ -53,6 +53,8 @@ from common.features.disk import explain_full_disk, stop_if_disk_full  # feature
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
+from common.features.sequence_parallel import (accumulate_slices, check_sequence_parallel, slice_windows,
+                                               unsliced)  # feature: sequence parallel
 from common.features.streaming import (add_streaming_args, check_streaming_flags, load_streaming_data)  # feature: streaming
 
 logger = get_logger(__name__)
@@ -98,9 +100,11 @@ def main() -> None:
     if args.chunked_cross_entropy:  # feature: chunked loss
         check_chunked_loss(config)
     check_deepspeed_config(args)  # feature: deepspeed check
+    check_sequence_parallel(args, config, args.block_size)  # feature: sequence parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)
+    accumulate_slices(accelerator)  # feature: sequence parallel
     extras = CheckpointExtras()  # what the features below add to checkpoints
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
@@ -149,9 +153,9 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    train_dataloader, eval_dataloader = unsliced(train_dataloader, eval_dataloader)  # feature: sequence parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
@@ -164,7 +168,9 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     train_start = time.perf_counter()
     model.train()
     # one optimizer step's micro-batches at a time; progress.step is the step the window completes
-    for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
+    windows = optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga)
+    windows = slice_windows(windows, accelerator)  # feature: sequence parallel
+    for window in windows:
         lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # real label tokens in the window, all processes
         window_loss = torch.zeros((), device=accelerator.device)  # this process's share of the step's loss
