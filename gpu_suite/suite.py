@@ -46,7 +46,7 @@ def settings_for(cuda: bool) -> Settings:
         return Settings(steps=20, block_size=256, batch=8, corpus_rows=2000, perf_preset="1b", perf_seq=2048,
                         perf_batch=4, perf_vocab=8192, warm_steps=3, timed_steps=12, long_seq=16384)
     return Settings(steps=3, block_size=64, batch=8, corpus_rows=400, perf_preset="tiny", perf_seq=64, perf_batch=8,
-                    perf_vocab=512, warm_steps=1, timed_steps=2, long_seq=256)
+                    perf_vocab=512, warm_steps=1, timed_steps=2, long_seq=128)
 
 
 @dataclass
