@@ -36,14 +36,15 @@ def pin_this_worker_to_its_cores() -> None:
     depend on it."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not worker or count < 2 or len(cores) < count:
+    if not worker or count < 2 or len(cores) < 2:
         return
-    share = len(cores) // count
-    index = int(worker.removeprefix("gw")) % count
-    os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
+    index = int(worker.removeprefix("gw"))
+    share = max(1, len(cores) // count)  # more workers than cores: one core each, in turn
+    mine = cores[index * share % len(cores):][:share]
+    os.sched_setaffinity(0, mine)
     import torch
 
-    torch.set_num_threads(share)
+    torch.set_num_threads(len(mine))
 
 
 pin_this_worker_to_its_cores()
