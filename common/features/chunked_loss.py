@@ -26,11 +26,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from common.errors import fail
 
 CHUNK_TOKENS = 1024  # a chunk's fp32 logits: 0.5 GB at a 128k vocabulary (all 16k tokens of 8 x 2,048: 8.4 GB)
-OPTIONS = torch.nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=CHUNK_TOKENS)
+# None before torch 2.13, whose F.linear_cross_entropy this needs: check_chunked_loss then says so in one line
+OPTIONS = getattr(torch.nn, "LinearCrossEntropyOptions", lambda **_: None)(chunking_method=None,
+                                                                            batch_chunk_size=CHUNK_TOKENS)
 
 
 def check_chunked_loss(config: PretrainedConfig) -> None:
-    """One line before any work for a model whose training loss is more than the token loss."""
+    """One line before any work for a model whose training loss is more than the token loss, or a torch without
+    the chunked loss."""
+    if OPTIONS is None:
+        fail(f"--chunked_cross_entropy needs torch 2.13's F.linear_cross_entropy; this is torch {torch.__version__} "
+             "(requirements.txt pins the version)")
     if getattr(config, "output_router_logits", False):
         fail("--chunked_cross_entropy does not add a mixture of experts' load-balancing loss: leave it off for "
              f"{config.model_type} with output_router_logits")
