@@ -13,7 +13,8 @@
 # on PYTHONPATH; --budget_s 540 per part unless given (a part fits one 10-minute call); --copy_to "$OUT" when $OUT
 # is set (results and a tarball of the logs come back); unbuffered output (a call returns only the output's tail).
 # --wheels fetches through ../shared/tools/device_wheels.sh (DEVICE_WHEELS overrides the path): the versions of
-# requirements.txt, transformers too (the machine's is older), plus torchao for the fp8 rows. TRANSFORMERS=none
+# requirements.txt, transformers and torchdata too (the machine's transformers is older; it has no torchdata), plus
+# torchao for the fp8 rows. TRANSFORMERS=none
 # keeps the machine's transformers (13 MB less); EXTRA adds more. PYTHON picks the interpreter (default python3: on
 # the GPU machine the one that has torch).
 set -euo pipefail
@@ -21,18 +22,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 LIMIT=$((64 * 1024 * 1024))  # what one device call may send: the working tree plus the carried wheels
 
-pin() { sed -n "s/^$1==//p" requirements.txt; }
+pin() { sed -n "s/^$1==\([^ #]*\).*/\1/p" requirements.txt; }
 
 fetch_wheels() {
-  local tool stage transformers tree wheels bnb ds datasets
+  local tool stage transformers tree wheels bnb ds datasets torchdata
   tool=$(realpath "${DEVICE_WHEELS:-../shared/tools/device_wheels.sh}")
-  bnb=$(pin bitsandbytes) ds=$(pin deepspeed) datasets=$(pin datasets)
+  bnb=$(pin bitsandbytes) ds=$(pin deepspeed) datasets=$(pin datasets) torchdata=$(pin torchdata)
   transformers=${TRANSFORMERS:-$(pin transformers)}
   [ "$transformers" = none ] && transformers="" || transformers="transformers==$transformers"
   stage=$(mktemp -d)
   mkdir -p "$stage/.git/info"  # the tool notes .whl/ in .git/info/exclude; in a git worktree .git is a file
   (cd "$stage" && BNB=$bnb DS=$ds DATASETS=$datasets \
-     EXTRA="torchao==${TORCHAO:-0.18.0} $transformers ${EXTRA:-}" bash "$tool" >/dev/null)
+     EXTRA="torchao==${TORCHAO:-0.18.0} torchdata==$torchdata $transformers ${EXTRA:-}" bash "$tool" >/dev/null)
   rm -rf .whl && mv "$stage/.whl" .whl && rm -rf "$stage"  # one version of each package (two stop the install)
   wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
   tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null |
