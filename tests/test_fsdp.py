@@ -243,6 +243,9 @@ for _ in range(2):
     optimizer.step()
     optimizer.zero_grad()
     losses.append(loss.item())
+from transformers import AutoTokenizer
+from common.export import export_model
+export_model(accelerator, model, AutoTokenizer.from_pretrained(init_model), output_dir)
 if accelerator.is_main_process:
     print("PROBE " + json.dumps({"type": str(accelerator.distributed_type), "precision": accelerator.mixed_precision,
                                  "float8_layers": kinds.count("Float8Linear"), "losses": losses,
@@ -252,20 +255,53 @@ finish(accelerator)
 """
 
 
-def test_fsdp2_fp8_trains_two_steps_with_torchao(init_model, tmp_path):
-    """With torchao installed (it is not in requirements.txt), fsdp2_fp8.yaml on 2 CPU processes gives the FSDP2
-    state, sharded DTensor parameters and Float8Linear layers, and takes two optimizer steps with finite losses."""
-    pytest.importorskip("torchao")
+def run_fp8_probe(config: str, processes: int, init_model: str, tmp_path) -> tuple[list[str], dict]:
+    """FP8_PROBE under `accelerate launch --config_file <config>`: the launcher's command and the probe's report;
+    the probe also exports the trained model to tmp_path/out with common.export."""
     (tmp_path / "probe.py").write_text(FP8_PROBE)
-    launcher = [ACCELERATE, "launch", "--config_file", os.path.join(CONFIGS, "fsdp2_fp8.yaml"), "--num_processes",
-                "2", "--main_process_port", "0"]
+    launcher = [ACCELERATE, "launch", "--config_file", os.path.join(CONFIGS, config), "--num_processes",
+                str(processes), "--main_process_port", "0"]
     proc = subprocess.run([*launcher, str(tmp_path / "probe.py"), ROOT, init_model, str(tmp_path / "out")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     probe = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))[6:])
-    print(f"fsdp2_fp8.yaml, 2 processes: {probe}")
-    assert probe["type"] == "DistributedType.FSDP" and probe["precision"] == "fp8" and probe["sharded"]
-    assert probe["float8_layers"] > 0 and all(math.isfinite(x) for x in probe["losses"])
+    print(f"{config}, {processes} process(es): {probe}")
+    assert probe["precision"] == "fp8" and probe["float8_layers"] > 0
+    assert all(math.isfinite(x) for x in probe["losses"])
+    return launcher, probe
+
+
+def assert_fp8_export_loads(init_model: str, output_dir) -> None:
+    """The export holds every weight as a plain tensor (no fp8 wrapper), trained away from the start, and runs."""
+    from transformers import AutoModelForCausalLM
+
+    exported, info = AutoModelForCausalLM.from_pretrained(output_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    start = AutoModelForCausalLM.from_pretrained(init_model).state_dict()
+    weights = exported.state_dict()
+    assert weights.keys() == start.keys()
+    assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    ids = torch.arange(8)[None] % exported.config.vocab_size
+    assert torch.isfinite(exported(input_ids=ids).logits).all()
+
+
+def test_fp8_one_process_trains_and_exports_with_torchao(init_model, tmp_path):
+    """fp8.yaml (torchao float8 in one process) trains two steps with Float8Linear layers and its export loads: on an
+    H200 the export once failed ("invalid python storage") while enable_fsdp_float8_all_gather wrapped each weight."""
+    pytest.importorskip("torchao")
+    _, probe = run_fp8_probe("fp8.yaml", 1, init_model, tmp_path)
+    assert probe["type"] == "DistributedType.NO"
+    assert_fp8_export_loads(init_model, tmp_path / "out")
+
+
+def test_fsdp2_fp8_trains_two_steps_with_torchao(init_model, tmp_path):
+    """With torchao installed (it is not in requirements.txt), fsdp2_fp8.yaml on 2 CPU processes gives the FSDP2
+    state, sharded DTensor parameters and Float8Linear layers, takes two optimizer steps with finite losses, and its
+    gathered export loads."""
+    pytest.importorskip("torchao")
+    launcher, probe = run_fp8_probe("fsdp2_fp8.yaml", 2, init_model, tmp_path)
+    assert probe["type"] == "DistributedType.FSDP" and probe["sharded"]
+    assert_fp8_export_loads(init_model, tmp_path / "out")
     # fsdp2.yaml (cpu_ram_efficient_loading on) with fp8: one line, as accelerate answers on GPUs
     proc = subprocess.run([*launcher[:3], os.path.join(CONFIGS, "fsdp2.yaml"), *launcher[4:], "--mixed_precision",
                            "fp8", str(tmp_path / "probe.py"), ROOT, init_model, str(tmp_path / "out2")],
