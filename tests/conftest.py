@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from forked_runs import forkable, run_forked
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -61,8 +62,12 @@ def run_script(script: str, *args: str, launcher: list[str] | None = None, env: 
     """Run `scripts/<script>`, or a tool given by its absolute path (with `python`, or `launcher` such as
     `accelerate launch ...`), and return the result."""
     cmd = (launcher or [sys.executable]) + [os.path.join(SCRIPTS, script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    if launcher is None and env is None and forkable(cmd[1]):
+        # the same run, forked from a process that imported the training stack once (tests/forked_runs.py)
+        proc = run_forked(cmd[1:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
