@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from forked_runs import forkable, run_forked
+from forked_runs import forkable, launch_forked, run_forked
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -62,10 +62,16 @@ def run_script(script: str, *args: str, launcher: list[str] | None = None, env: 
     """Run `scripts/<script>`, or a tool given by its absolute path (with `python`, or `launcher` such as
     `accelerate launch ...`), and return the result."""
     cmd = (launcher or [sys.executable]) + [os.path.join(SCRIPTS, script), *args]
-    if launcher is None and env is None and forkable(cmd[1]):
-        # the same run, forked from a process that imported the training stack once (tests/forked_runs.py)
-        proc = run_forked(cmd[1:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
-    else:
+    script_at = len(launcher or [sys.executable])
+    proc = None
+    if env is None and forkable(cmd[script_at]):
+        # the same run, its processes forked from one that imported the training stack once (tests/forked_runs.py);
+        # a launched run whose failure the test reads (check=False) gets the real launcher
+        if launcher is None:
+            proc = run_forked(cmd[1:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
+        elif check and launcher[:2] == [ACCELERATE, "launch"]:
+            proc = launch_forked(launcher[:2], cmd[2:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
+    if proc is None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:

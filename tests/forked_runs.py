@@ -5,8 +5,14 @@ accelerate, deepspeed and peft. Here a multiprocessing fork server imports them 
 own import statements, gpu_suite/preload.py, plus what the recipes import inside functions), and each run is a fork
 of it that executes the script as `__main__` with the caller's argv, environment and working directory, its stdout and
 stderr captured apart, its exit status as `python script.py` would give it (atexit handlers run, an uncaught exception
-prints its traceback and exits 1), and a timeout. Runs under a launcher (`accelerate launch`), or with an environment
-that must be read at import time, stay ordinary subprocesses (conftest.run_script decides).
+prints its traceback and exits 1), and a timeout.
+
+`launch_forked` does the same for `accelerate launch --config_file ... script`: accelerate's own launch code turns the
+flags and the config file into the processes' environment (as `accelerate launch` does), torchrun's per-process
+variables are added (ranks, world size, the rendezvous address), and each process is a fork. It stands in for the
+launcher's process management only, so conftest.run_script uses it for runs expected to succeed; a run whose failure a
+test reads (`check=False`: the launcher's report, its exit status), several machines, or an environment that must be
+read at import time get the real launcher, or a plain subprocess.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Imported inside the recipes' functions, ~2 s a run: get_scheduler (transformers.optimization imports peft, which
@@ -94,20 +102,89 @@ def forkable(script: str) -> bool:
 def run_forked(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`,
     forked from the preloaded server."""
+    return _run_processes([sys.executable, *cmd], cmd, cwd, [env], timeout)
+
+
+def launched_environments(launch_args: list[str], env: dict[str, str]) -> tuple[list[str], list[dict[str, str]]] | None:
+    """`accelerate launch <launch_args>` on this machine: the script and its arguments, and each process's
+    environment; None where the real launcher must run (several machines, or a launcher other than torchrun's and the
+    simple one)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch as launch_utils
+
+    with mock.patch.dict(os.environ, env, clear=True):  # accelerate copies os.environ into what it returns
+        args, defaults, mp_from_config_flag = _validate_launch_command(launch_command_parser().parse_args(launch_args))
+        if args.module or args.no_python:
+            return None
+        script = [args.training_script, *args.training_script_args]
+        if args.num_machines > 1 or args.cpu or args.tpu or args.use_megatron_lm:
+            return None
+        if args.use_deepspeed:  # as accelerate's launch_command hands it to deepspeed_launcher
+            fields = list(defaults.deepspeed_config.keys()) if defaults else []
+            args.deepspeed_fields_from_accelerate_config = ",".join(
+                fields + (["mixed_precision"] if mp_from_config_flag else []))
+            _, base = launch_utils.prepare_deepspeed_cmd_env(args)
+        elif args.use_fsdp or args.multi_gpu:
+            base = launch_utils.prepare_multi_gpu_env(args)
+        else:
+            _, base = launch_utils.prepare_simple_launcher_cmd_env(args)
+            return script, [base]
+    n = int(args.num_processes)
+    return script, [{**base, "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+             "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(n), "WORLD_SIZE": str(n), "GROUP_WORLD_SIZE": "1",
+             "ROLE_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.main_process_port),
+             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+             "TORCHELASTIC_USE_AGENT_STORE": "False",  # rank 0 hosts the store: there is no agent
+             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+             **({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"} if args.use_deepspeed else {}),  # as deepspeed's import sets it
+             **({"OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1")} if n > 1 else {})}  # as torchrun sets it
+            for rank in range(n)]
+
+
+def launch_forked(launch_cmd: list[str], cmd: list[str], cwd: str, env: dict[str, str],
+                  timeout: float) -> subprocess.CompletedProcess | None:
+    """`launch_cmd + cmd` (`accelerate launch <flags> <script> <arguments>`) with each process forked; None where it
+    must run as itself (`launched_environments`). Exit status 1 when a process failed (as the launcher's), after the
+    others are stopped."""
+    launched = launched_environments([*launch_cmd[2:], *cmd], env)
+    if launched is None:
+        return None
+    script, envs = launched
+    if not forkable(script[0]):
+        return None
+    return _run_processes([*launch_cmd, *cmd], script, cwd, envs, timeout)
+
+
+def _run_processes(shown: list[str], cmd: list[str], cwd: str, envs: list[dict[str, str]],
+                   timeout: float) -> subprocess.CompletedProcess:
     context = _server()
     with tempfile.TemporaryDirectory(prefix="forked-run-") as d:
-        out_path, err_path = os.path.join(d, "stdout"), os.path.join(d, "stderr")
-        for path in (out_path, err_path):
+        paths = [(os.path.join(d, f"{rank}.out"), os.path.join(d, f"{rank}.err")) for rank in range(len(envs))]
+        for path in (p for pair in paths for p in pair):
             open(path, "w").close()
-        process = context.Process(target=_run_in_child, args=(cmd, cwd, env, out_path, err_path))
-        process.start()
-        process.join(timeout)
-        if process.is_alive():
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired([sys.executable, *cmd], timeout)
-        with open(out_path, encoding="utf-8", errors="replace") as f:
-            stdout = f.read()
-        with open(err_path, encoding="utf-8", errors="replace") as f:
-            stderr = f.read()
-    return subprocess.CompletedProcess([sys.executable, *cmd], process.exitcode, stdout, stderr)
+        processes = [context.Process(target=_run_in_child, args=(cmd, cwd, env, *pair))
+                     for env, pair in zip(envs, paths)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in processes):
+            failed = any(p.exitcode not in (None, 0) for p in processes)
+            if failed or time.monotonic() > deadline:  # a failed process: the launcher stops the others
+                for p in processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in processes:
+                    p.join()
+                if not failed:
+                    raise subprocess.TimeoutExpired(shown, timeout)
+                break
+            time.sleep(0.05)
+        outputs = []
+        for out_path, err_path in paths:
+            with open(out_path, encoding="utf-8", errors="replace") as f, \
+                 open(err_path, encoding="utf-8", errors="replace") as g:
+                outputs.append((f.read(), g.read()))
+    statuses = [p.exitcode for p in processes]
+    status = statuses[0] if len(processes) == 1 else int(any(s != 0 for s in statuses))
+    return subprocess.CompletedProcess(shown, status, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
