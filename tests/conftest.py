@@ -58,19 +58,20 @@ def launcher(config: str, num_processes: int = 2) -> list[str]:
 
 
 def run_script(script: str, *args: str, launcher: list[str] | None = None, env: dict | None = None,
-               timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+               timeout: int = 600, check: bool = True,
+               launcher_output: bool | None = None) -> subprocess.CompletedProcess:
     """Run `scripts/<script>`, or a tool given by its absolute path (with `python`, or `launcher` such as
-    `accelerate launch ...`), and return the result."""
+    `accelerate launch ...`), and return the result. `launcher_output`: the test reads what the launcher itself
+    prints or returns, so the real launcher runs (default: when `check` is off, a failure's report)."""
     cmd = (launcher or [sys.executable]) + [os.path.join(SCRIPTS, script), *args]
-    script_at = len(launcher or [sys.executable])
+    launcher_output = not check if launcher_output is None else launcher_output
     proc = None
-    if env is None and forkable(cmd[script_at]):
-        # the same run, its processes forked from one that imported the training stack once (tests/forked_runs.py);
-        # a launched run whose failure the test reads (check=False) gets the real launcher
-        if launcher is None:
-            proc = run_forked(cmd[1:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
-        elif check and launcher[:2] == [ACCELERATE, "launch"]:
-            proc = launch_forked(launcher[:2], cmd[2:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
+    # The same run, its processes forked from one that imported the training stack once (tests/forked_runs.py);
+    # a launched run whose launcher output the test reads gets the real launcher.
+    if env is None and launcher is None and forkable(cmd[1]):
+        proc = run_forked(cmd[1:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
+    elif env is None and launcher and launcher[:2] == [ACCELERATE, "launch"] and not launcher_output:
+        proc = launch_forked(launcher[:2], cmd[2:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
     if proc is None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})

@@ -43,7 +43,7 @@ def test_two_sequence_parallel_processes_match_one(corpus, init_model, zero2_ref
 ], ids=["sequence", "kernel", "chunked"])
 def test_what_it_cannot_serve_stops_before_any_work(extra, config, expected, corpus, init_model, tmp_path):
     proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, tmp_path / "run", 2), *extra,
-                      launcher=launcher(config), check=False, timeout=120)
+                      launcher=launcher(config), check=False, launcher_output=False, timeout=120)
     assert proc.returncode != 0 and expected in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # stopped before the output folder was claimed
 
