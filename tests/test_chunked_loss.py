@@ -12,6 +12,7 @@ unchunked run; a resume may turn the flag on.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -149,18 +150,30 @@ def test_chunked_training_matches_the_unchunked_one_process_run(engine, corpus, 
     print(f"chunked, {engine}: {assert_same_training(out, reference)}")
 
 
-def test_torch_compile_trains_with_chunked_loss(corpus, init_model, reference, tmp_path):  # noqa: F811
+def test_torch_compile_trains_with_chunked_loss_and_exports_plain_weights(corpus, init_model, reference,  # noqa: F811
+                                                                          tmp_path):
     """Compiled, the chunked op runs eagerly (a graph break); the losses stay the unchunked run's (compiled kernels
-    sum in another order: 1e-4)."""
-    out = tmp_path / "compiled"
-    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4, "--chunked_cross_entropy",
-                                                "--torch_compile", "--max_steps", "2"))
+    sum in another order: 1e-4). The export of the compiled model has no `_orig_mod.` keys, loads with no missing or
+    unexpected weights and generates (one compiled run for both: a cold inductor build takes a minute here)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from test_distributed import train_rows
 
+    out = tmp_path / "compiled"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4, "--chunked_cross_entropy",
+                                                "--torch_compile", "--max_steps", "2", "--sample_max_new_tokens", "8"))
     run, ref = train_rows(out), train_rows(reference)
     assert sorted(run) == [1, 2]
     for step in run:
         assert run[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-4)
+    assert not [k for k in load_file(out / "model.safetensors") if "_orig_mod" in k]
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    generated = model.generate(**tokenizer("the model", return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == len(tokenizer("the model")["input_ids"]) + 5
+    assert json.loads((out / "all_results.json").read_text())["sample"].startswith("def")
 
 
 def test_sft_with_chunked_loss_matches_unchunked(sft, tmp_path):  # noqa: F811

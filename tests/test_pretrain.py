@@ -80,21 +80,6 @@ def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, dropout_config
     assert difference < 1e-6
 
 
-def test_compiled_export_loads_and_generates(corpus, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "out", "--max_steps", "2", "--torch_compile",
-                                                   "--sample_max_new_tokens", "8"))
-    out = tmp_path / "out"
-    assert not [k for k in weights(out) if "_orig_mod" in k]
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    generated = model.generate(**tokenizer("the model", return_tensors="pt"), max_new_tokens=5, do_sample=False)
-    assert generated.shape[1] == len(tokenizer("the model")["input_ids"]) + 5
-    assert json.loads((out / "all_results.json").read_text())["sample"].startswith("def")
-
-
 def test_default_run_uses_the_embedded_corpus(tmp_path):
     """No data flags: the stdlib corpus and a tokenizer trained on it, both cached for the next run."""
     args = ["--cache_dir", str(tmp_path / "cache"), "--max_steps", "2", "--max_eval_samples", "4",
