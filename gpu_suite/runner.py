@@ -42,6 +42,23 @@ def run_script_in_child(script: str, argv: list[str], log_path: str, cwd: str, c
     runpy.run_path(script, run_name="__main__")
 
 
+def start_fork_server(paths: list[str]) -> None:
+    """Start multiprocessing's fork server (idempotent). Python 3.11's fork server does not take the parent's sys.path:
+    it finds its preloaded modules through PYTHONPATH, here `paths` first, set for its start only (the caller's
+    subprocesses keep the caller's)."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + ([before] if before else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 class Runner:
     """Runs commands with their output in a log file and a timeout; exit status, or None when stopped at the timeout."""
 
@@ -57,21 +74,8 @@ class Runner:
 
     def start(self) -> None:
         """Start the fork server (now: its imports overlap with the suite's own preparation; idempotent)."""
-        if self.context is None:
-            return
-        from multiprocessing import forkserver
-
-        # Python 3.11's fork server does not take the parent's sys.path: it finds common/ and this package through
-        # PYTHONPATH, set for its start only (the suite's subprocesses keep the caller's).
-        before = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + ([before] if before else []))
-        try:
-            forkserver.ensure_running()
-        finally:
-            if before is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = before
+        if self.context is not None:
+            start_fork_server([ROOT])
 
     def close(self) -> None:
         """Stop the fork server and reap it (its runs' CPU time then counts in the suite's own)."""

@@ -39,20 +39,11 @@ _context = None
 def _server():
     global _context
     if _context is None:
-        from multiprocessing import forkserver
+        from gpu_suite.runner import start_fork_server
 
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-        # The server finds common/, gpu_suite/ and this module through PYTHONPATH, set for its start only.
-        before = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.dirname(__file__)] + ([before] if before else []))
-        try:
-            forkserver.ensure_running()
-        finally:
-            if before is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = before
+        start_fork_server([ROOT, os.path.dirname(__file__)])  # it imports common/, gpu_suite/ and this module
     return _context
 
 
