@@ -71,7 +71,7 @@ def run_script(script: str, *args: str, launcher: list[str] | None = None, env: 
     if env is None and launcher is None and forkable(cmd[1]):
         proc = run_forked(cmd[1:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
     elif env is None and launcher and launcher[:2] == [ACCELERATE, "launch"] and not launcher_output:
-        proc = launch_forked(launcher[:2], cmd[2:], cwd=ROOT, env=dict(os.environ), timeout=timeout)
+        proc = launch_forked(cmd, cwd=ROOT, env=dict(os.environ), timeout=timeout)
     if proc is None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})

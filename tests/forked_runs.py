@@ -1,4 +1,4 @@
-"""One-process script runs for the tests, forked from a server that has imported the training stack once.
+"""Script runs for the tests, their processes forked from a server that has imported the training stack once.
 
 A tiny one-process run on the 2-core CI machine spends about 4 of its ~7 s importing torch, transformers, datasets,
 accelerate, deepspeed and peft. Here a multiprocessing fork server imports them once per pytest worker (the recipes'
@@ -10,9 +10,9 @@ prints its traceback and exits 1), and a timeout.
 `launch_forked` does the same for `accelerate launch --config_file ... script`: accelerate's own launch code turns the
 flags and the config file into the processes' environment (as `accelerate launch` does), torchrun's per-process
 variables are added (ranks, world size, the rendezvous address), and each process is a fork. It stands in for the
-launcher's process management only, so conftest.run_script uses it for runs expected to succeed; a run whose failure a
-test reads (`check=False`: the launcher's report, its exit status), several machines, or an environment that must be
-read at import time get the real launcher, or a plain subprocess.
+launcher's process management only, so conftest.run_script uses it unless the test reads what the launcher itself
+prints or returns (by default a `check=False` run); several machines, or an environment that must be read at import
+time, get the real launcher or a plain subprocess.
 """
 
 from __future__ import annotations
@@ -121,30 +121,29 @@ def launched_environments(launch_args: list[str], env: dict[str, str]) -> tuple[
             _, base = launch_utils.prepare_simple_launcher_cmd_env(args)
             return script, [base]
     n = int(args.num_processes)
-    return script, [{**base, "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-             "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(n), "WORLD_SIZE": str(n), "GROUP_WORLD_SIZE": "1",
-             "ROLE_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.main_process_port),
-             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
-             "TORCHELASTIC_USE_AGENT_STORE": "False",  # rank 0 hosts the store: there is no agent
-             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-             **({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"} if args.use_deepspeed else {}),  # as deepspeed's import sets it
-             **({"OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1")} if n > 1 else {})}  # as torchrun sets it
-            for rank in range(n)]
+    torchrun = {  # what torchrun adds for every process of one machine
+        "GROUP_RANK": "0", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(n), "WORLD_SIZE": str(n),
+        "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(args.main_process_port), "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",  # rank 0 hosts the store: there is no agent
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        **({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"} if args.use_deepspeed else {}),  # as deepspeed's import sets it
+        **({"OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1")} if n > 1 else {})}
+    return script, [{**base, **torchrun, "LOCAL_RANK": str(rank), "RANK": str(rank), "ROLE_RANK": str(rank)}
+                    for rank in range(n)]
 
 
-def launch_forked(launch_cmd: list[str], cmd: list[str], cwd: str, env: dict[str, str],
-                  timeout: float) -> subprocess.CompletedProcess | None:
-    """`launch_cmd + cmd` (`accelerate launch <flags> <script> <arguments>`) with each process forked; None where it
-    must run as itself (`launched_environments`). Exit status 1 when a process failed (as the launcher's), after the
-    others are stopped."""
-    launched = launched_environments([*launch_cmd[2:], *cmd], env)
-    if launched is None:
+def launch_forked(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """`cmd` (`accelerate launch <flags> <script> <arguments>`) with each process forked; None where it must run as
+    itself (`launched_environments`, or a script outside this checkout). Exit status 1 when a process failed (as the
+    launcher's), after the others are stopped."""
+    launched = launched_environments(cmd[2:], env)
+    if launched is None or not forkable(launched[0][0]):
         return None
     script, envs = launched
-    if not forkable(script[0]):
-        return None
-    return _run_processes([*launch_cmd, *cmd], script, cwd, envs, timeout)
+    return _run_processes(cmd, script, cwd, envs, timeout)
 
 
 def _run_processes(shown: list[str], cmd: list[str], cwd: str, envs: list[dict[str, str]],
