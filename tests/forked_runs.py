@@ -57,9 +57,13 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _run_in_child(cmd: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str) -> None:
+def _run_in_child(cmd: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str,
+                  new_session: bool = False) -> None:
+    if new_session:  # as Popen(start_new_session=True): the run and what it starts are one process group
+        os.setsid()
     for fd, path in ((1, out_path), (2, err_path)):
-        handle = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        flags = os.O_WRONLY | (os.O_APPEND if out_path == err_path else os.O_TRUNC)  # one log: appended to
+        handle = os.open(path, flags)
         os.dup2(handle, fd)
         os.close(handle)
     os.environ.clear()
@@ -94,6 +98,36 @@ def run_forked(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) ->
     """`subprocess.run([sys.executable, *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`,
     forked from the preloaded server."""
     return _run_processes([sys.executable, *cmd], cmd, cwd, [env], timeout)
+
+
+class ForkedProcess:
+    """What a test that signals a run reads of `subprocess.Popen`: `pid`, `poll()`, `wait(timeout)`, `returncode`."""
+
+    def __init__(self, process) -> None:
+        self.process, self.pid = process, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self.process.exitcode
+
+
+def start_forked(cmd: list[str], cwd: str, log_path: str) -> ForkedProcess:
+    """`Popen([sys.executable, *cmd], cwd=cwd, stdout=log, stderr=STDOUT, start_new_session=True)` with `log` opened
+    for appending, forked from the preloaded server, with this process's environment: for the tests that kill a
+    one-process run (a SIGKILL ends a fork as it ends any process)."""
+    open(log_path, "a").close()
+    process = _server().Process(target=_run_in_child, args=(cmd, cwd, dict(os.environ), log_path, log_path, True))
+    process.start()
+    return ForkedProcess(process)
 
 
 def launched_environments(launch_args: list[str], env: dict[str, str]) -> tuple[list[str], list[dict[str, str]]] | None:

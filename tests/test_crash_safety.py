@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DAMAGES, ROOT, SCRIPTS, damage, read_metrics, skip_line
+from conftest import DAMAGES, ROOT, SCRIPTS, damage, read_metrics, run_script, skip_line
+from forked_runs import ForkedProcess, forkable, start_forked
 
 from common.checkpoint import CheckpointExtras, complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
 from common.features.checksums import CHECKSUM, checkpoint_files, record_files, share, verify_checkpoint
@@ -49,17 +50,21 @@ def chaos_command(corpus, cache_dir, output_dir, config: str) -> list[str]:
                             str(EVERY), "--resume_from_checkpoint", "auto", "--config_name", config)
 
 
-def start(cmd: list[str], log: str) -> subprocess.Popen:
+def start(cmd: list[str], log: str) -> subprocess.Popen | ForkedProcess:
+    """The run in its own process group, output appended to `log`: a fork of the preloaded server
+    (tests/forked_runs.py: no 4 s of imports per restart), or a subprocess where runs are not forked."""
+    if forkable(cmd[1]):
+        return start_forked(cmd[1:], ROOT, log)
     with open(log, "a") as f:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def sigkill(proc: subprocess.Popen) -> None:
+def sigkill(proc: subprocess.Popen | ForkedProcess) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def wait_for(proc: subprocess.Popen, condition, timeout: float = 300) -> bool:
+def wait_for(proc: subprocess.Popen | ForkedProcess, condition, timeout: float = 300) -> bool:
     """Poll every 5 ms until `condition()` holds (True) or the process ends (False)."""
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
@@ -116,9 +121,7 @@ def train_rows(output_dir) -> list[dict]:
 def reference(corpus, dropout_config, tmp_path_factory):
     """The uninterrupted run (it also fills the tokenizer and dataset caches the other runs reuse)."""
     d = tmp_path_factory.mktemp("crash")
-    proc = subprocess.run(chaos_command(corpus, d / "cache", d / "reference", dropout_config), cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("pretrain_llama.py", *chaos_command(corpus, d / "cache", d / "reference", dropout_config)[2:])
     return d
 
 
@@ -263,7 +266,7 @@ def test_one_live_run_per_folder_and_overwrite_starts_over(reference, corpus):
         assert not (out / "checkpoints").exists() and not (out / "model.safetensors").exists()
         assert not (out / "all_results.json").exists() and all(r["time"] > began for r in read_metrics(out))
         assert not lock_is_free(out)
-        second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        second = run_script("pretrain_llama.py", *cmd[2:], timeout=300, check=False)
         assert live.poll() is None  # still running: the refusal was about a live run
         lines = second.stderr.strip().splitlines()
         print(lines[-1])

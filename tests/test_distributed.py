@@ -184,10 +184,10 @@ def test_collective_a_rank_never_joins_fails_after_ddp_timeout(config, tmp_path)
     """Rank 0 waits in a barrier while rank 1 stays away for 120 s: the process group built by build_accelerator
     (through deepspeed.init_distributed under DeepSpeed) ends the wait after --ddp_timeout with a timeout error."""
     timeout, stall = 10, 120
-    cmd = launcher(config) + [os.path.join(ROOT, "tests", "stalled_collective.py"), "--ddp_timeout", str(timeout),
-                              "--stall_seconds", str(stall), "--output_dir", str(tmp_path / "out")]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=stall + 180)
+    proc = run_script(os.path.join(ROOT, "tests", "stalled_collective.py"), "--ddp_timeout", str(timeout),
+                      "--stall_seconds", str(stall), "--output_dir", str(tmp_path / "out"), launcher=launcher(config),
+                      timeout=stall + 180, check=False, launcher_output=False)  # the processes' output, not its
     elapsed = time.perf_counter() - started
     waited = re.search(r"waited ([0-9.]+) s: RuntimeError: .*Timed out waiting", proc.stdout)
     assert proc.returncode != 0 and waited, proc.stdout[-2000:] + proc.stderr[-3000:]

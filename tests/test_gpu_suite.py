@@ -4,7 +4,10 @@ The dry run really runs every selected row that a CPU can run (tiny preset, 3 st
 and reports every CUDA-only row as SKIP, never as PASS. To stay well under two minutes on a 2-core machine, the test
 leaves out the rows whose cost on a CPU is a one-time build rather than the suite's plumbing: torch.compile (a cold
 inductor build takes minutes on two cores), DeepSpeed's CPU Adam for the offload rows (a C++ build), and the compiled
-performance methods. ZeRO-2 stays in as the accelerate-launch row; tests/test_distributed.py covers ZeRO on CPUs.
+performance methods; and the rows that repeat another row's plumbing with other flags (a run of ~10 s each): ZeRO-2
+stays in as the accelerate-launch row (fsdp2 is the same row with another config file; tests/test_distributed.py and
+tests/test_fsdp.py cover the engines on CPUs), perf_lora_8b as the adapters' benchmark row (perf_qlora_8b adds
+--load_in_4bit; tests/test_lora.py covers QLoRA).
 The dry run goes through tools/lent_gpu.sh (the lent GPU machine's wrapper: with --dry-run it passes through to
 `python -m gpu_suite` and turns $OUT into --copy_to), so that the wrapper is proven with the suite.
 """
@@ -22,10 +25,11 @@ import pytest
 import torch
 from conftest import ROOT
 
-SKIPPED_HERE = "compile,zero1,zero3,*offload,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,perf_long_full"
+SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
+                "perf_long_full,perf_qlora_8b")
 CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
-            "moe", "accumulation", "zero2", "sft", "classifier", "perf_baseline", "perf_long_op"}
+            "moe", "accumulation", "zero2", "sft", "classifier", "perf_baseline", "perf_long_op", "perf_lora_8b"}
 LOSS = re.compile(r"loss (-?[\d.]+|nan|inf) -> (-?[\d.]+|nan|inf) in (\d+) steps")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check")
@@ -87,10 +91,10 @@ def test_cpu_rows_really_run_and_pass(dry_run):
     assert re.match(r"[\d,]+ tok/s", rows["perf_baseline"][1])
     assert "accuracy" in rows["classifier"][1]
     deselected = {name for name, (status, figure) in rows.items() if figure == "not selected (--only / --skip)"}
-    assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "perf_bf16_compile",
+    assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "fsdp2", "perf_bf16_compile",
                           "perf_bf16_compile_checkpointing", "perf_bf16_compile_8bit", "perf_bf16_compile_chunked",
                           "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
-                          "perf_long_offload"}
+                          "perf_long_offload", "perf_qlora_8b"}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 
