@@ -160,13 +160,16 @@ def test_two_machines_match_one_process(config, two_machine_runs, reference):
 
 # ---- a machine lost -------------------------------------------------------------------------------------------------
 
-def until(condition, what: str, timeout: float = 300, machines: TwoMachines | None = None) -> None:
+def until(condition, what: str, timeout: float = 300, machines: TwoMachines | None = None,
+          every: float = 0.02) -> None:
+    """Poll `condition` every `every` seconds (a step of the tiny runs takes ~0.15 s; a condition that starts a
+    process, such as a Slurm query, is polled less often: the polls share the runs' core)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if machines is not None:
             assert all(p.poll() is None for p in machines.launchers), f"a launcher ended before {what}"
         assert time.monotonic() < deadline, f"no {what} after {timeout} s"
-        time.sleep(0.02)
+        time.sleep(every)
 
 
 def proc_status(pid: int, field: str) -> str:

@@ -4,17 +4,18 @@ unchanged, with only command-line and environment overrides: 2 nodes x 1 CPU pro
 (`CONFIG=accelerate_configs/cpu_2proc.yaml GPUS_PER_NODE=1 sbatch --gpus-per-node=0 --cpus-per-task=1`).
 
 Each job trains MAX_STEPS optimizer steps of test_preemption.py's run; the reference is its uninterrupted 2-process
-run. Once both trainers have logged step STOP_AT they are paused (SIGSTOP), the job is stopped the way Slurm would,
+run. Once both trainers have logged a given step they are paused (SIGSTOP), the job is stopped the way Slurm would,
 and they go on once Slurm's SIGTERM waits for them: the step the stop lands in is then known (the last one logged,
 or the next). Properties:
 - time limit: the signal that `#SBATCH --signal=B:USR1@180` sends (here at once, `scancel --batch --signal=USR1`)
   makes every rank finish its step and publish one checkpoint at that step, equal to the uninterrupted run's; the
-  job is requeued by Slurm and the requeued run resumes it and ends at the uninterrupted run (exit 0, each step once
-  in metrics.jsonl, losses and weights within TOL);
-- preemption: a job of a higher-priority partition (PreemptMode=REQUEUE, Slurm's default signals: SIGTERM to the
-  step, GraceTime) takes the nodes: the same;
+  job is requeued by Slurm and the requeued run resumes it;
+- preemption, of that requeued run: a job of a higher-priority partition (PreemptMode=REQUEUE, Slurm's default
+  signals: SIGTERM to the step, GraceTime) takes the nodes: the same, a second checkpoint and a second requeue; the
+  run requeued again resumes the second checkpoint and ends at the uninterrupted run (exit 0, each step once in
+  metrics.jsonl, losses and weights within TOL). One job for both stops: a job's start is ~20 s of one core here;
 - `scancel` (no requeue): the job is cancelled and leaves one complete checkpoint at the step reached, equal to the
-  uninterrupted run's (what the same submission again would resume, as in the two cases above).
+  uninterrupted run's (what the same submission again would resume, as in the case above).
 After every job nothing of it runs any more.
 
 The cluster: node names are loopback addresses (127.0.0.1, 127.0.0.2) so that the sbatch's rendezvous address (the
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 from conftest import ROOT, read_metrics
@@ -128,7 +130,7 @@ class SlurmCluster:
         self.start(["slurmctld", "-D", "-f", self.conf], "slurmctld")
         for node in NODES:
             self.start(["slurmd", "-D", "-f", self.conf, "-N", node], f"slurmd-{node}")
-        until(lambda: self.idle_nodes() == 2, "two idle nodes", 60)
+        until(lambda: self.idle_nodes() == 2, "two idle nodes", 60, every=0.2)
 
     def start(self, cmd: list[str], name: str) -> None:
         with open(os.path.join(self.root, "log", f"{name}.out"), "w") as out:
@@ -152,7 +154,7 @@ class SlurmCluster:
         """Cancel what still runs, then stop each daemon by its PID (SIGTERM, then SIGKILL if it lingers)."""
         try:
             self.run("scancel", "--user", "root")
-            until(lambda: not self.run("squeue", "-h").strip(), "no job", 120)
+            until(lambda: not self.run("squeue", "-h").strip(), "no job", 120, every=0.2)
         except (subprocess.CalledProcessError, AssertionError):
             pass
         for daemon in reversed(self.daemons):
@@ -183,20 +185,26 @@ def submit(slurm: SlurmCluster, args: list[str], log, partition: str = "low") ->
 
 
 def until_job(slurm: SlurmCluster, job_id: str, states: tuple[str, ...], timeout: float = 600) -> dict[str, str]:
-    until(lambda: slurm.job(job_id)["JobState"] in states, f"job {job_id} in {states}", timeout)
+    until(lambda: slurm.job(job_id)["JobState"] in states, f"job {job_id} in {states}", timeout, every=0.2)
     return slurm.job(job_id)
 
 
-def stop_job(slurm: SlurmCluster, job_id: str, out, stop) -> int:
-    """Once both trainers have logged STOP_AT: pause them, call `stop()` (Slurm's signal for them follows), let them
-    go on once it has reached them. Returns the last step logged before."""
+def stop_job(slurm: SlurmCluster, job_id: str, out, stop, past: int = STOP_AT) -> int:
+    """Once both trainers have logged step `past`: pause them, call `stop()` (Slurm's signal for them follows), let
+    them go on once it has reached them. Returns the last step logged before."""
     trainers: list[int] = []
+    asked = [0.0]
 
     def ready() -> bool:
-        assert slurm.job(job_id)["JobState"] in ("PENDING", "RUNNING"), slurm.job(job_id)
         trainers[:] = trainer_pids(out)
-        return len(trainers) == 2 and last_logged_step(out) >= STOP_AT
-    until(ready, f"two trainers past step {STOP_AT}", 600)
+        if len(trainers) < 2:  # not (re)started yet: is the job still on? (each query is a process: 5 a second)
+            if time.monotonic() - asked[0] > 0.2:
+                assert slurm.job(job_id)["JobState"] in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"), \
+                    slurm.job(job_id)
+                asked[0] = time.monotonic()
+            return False
+        return last_logged_step(out) >= past
+    until(ready, f"two trainers past step {past}", 600)
     pause(trainers)
     logged = last_logged_step(out)
     stop()
@@ -206,58 +214,57 @@ def stop_job(slurm: SlurmCluster, job_id: str, out, stop) -> int:
     for pid in trainers:
         if alive(pid):
             os.kill(pid, signal.SIGCONT)
-    assert STOP_AT <= logged < MAX_STEPS - 1, f"the trainers had logged step {logged}"
+    assert past <= logged < MAX_STEPS - 1, f"the trainers had logged step {logged}"
     return logged
 
 
-def assert_stop_checkpoint(out, output: str, logged: int, reference) -> tuple[int, str]:
-    """One stop, at the step the signal landed in, and its checkpoint is the uninterrupted run's at that step."""
+def stop_steps(output: str, logged: list[int]) -> list[int]:
+    """The steps the job's stops landed in, one per stop: the step logged when it came, or the next."""
     lines = [line for line in output.splitlines() if "Stopped on SIGTERM after optimizer step" in line]
-    assert len(lines) == 1, output[-4000:]
-    step = int(re.search(r"after optimizer step (\d+);", lines[0]).group(1))
-    assert step in (logged, logged + 1), (logged, lines[0])
+    assert len(lines) == len(logged), output[-4000:]
+    steps = [int(re.search(r"after optimizer step (\d+);", line).group(1)) for line in lines]
+    assert all(step in (seen, seen + 1) for step, seen in zip(steps, logged)), (logged, lines)
+    return steps
+
+
+def assert_stop_checkpoint(out, output: str, step: int, reference) -> str:
+    """The stop at `step` published its checkpoint, the uninterrupted run's at that step."""
     path = os.path.join(out, "checkpoints", f"step_{step}")
-    assert f"checkpoint saved in {path}" in lines[0]
+    assert f"after optimizer step {step}; checkpoint saved in {path}" in output
     assert os.path.isfile(os.path.join(path, "checkpoint_complete.json"))
-    return step, assert_same_checkpoint(path, os.path.join(reference, "checkpoints", f"step_{step}"))
+    return assert_same_checkpoint(path, os.path.join(reference, "checkpoints", f"step_{step}"))
 
 
-def assert_requeued_run_matches(slurm, job_id, out, log, logged, reference) -> str:
-    job = until_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
-    with open(log) as f:
-        output = f.read()
-    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), (job, output[-4000:])
-    step, report = assert_stop_checkpoint(out, output, logged, reference)
-    assert output.count(f"Resumed from {os.path.join(out, 'checkpoints', f'step_{step}')} at optimizer step "
-                        f"{step}") == 1, output[-4000:]
-    steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
-    assert steps == list(range(1, MAX_STEPS + 1)), steps  # each step once
-    until(lambda: not processes_writing_to(str(out)), "the end of the job's processes", 60)
-    return f"checkpoint at step {step}: {report}; requeued once, then {assert_same_run(out, reference)}"
-
-
-def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm, corpus, cache, uninterrupted, tmp_path):
-    reference, out, log = uninterrupted(2), tmp_path / "run", tmp_path / "job.out"
-    job_id = submit(slurm, pretrain_args(corpus, cache, out), log)
-    try:
-        logged = stop_job(slurm, job_id, out, lambda: slurm.run("scancel", "--batch", "--signal=USR1", job_id))
-        print(f"time limit (USR1 to the batch script) after step {logged}: "
-              f"{assert_requeued_run_matches(slurm, job_id, out, log, logged, reference)}")
-    finally:
-        kill_all(processes_writing_to(str(out)))
-
-
-def test_preemption_checkpoints_requeues_and_finishes(slurm, corpus, cache, uninterrupted, tmp_path):
+def test_time_limit_then_preemption_checkpoint_requeue_and_the_job_finishes(slurm, corpus, cache, uninterrupted,
+                                                                             tmp_path):
+    """Stopped by the time-limit signal once both trainers have logged step 1, requeued; the requeued run preempted
+    once it has logged a step of its own, requeued again; that run finishes."""
     reference, out, log = uninterrupted(2), tmp_path / "run", tmp_path / "job.out"
     job_id = submit(slurm, pretrain_args(corpus, cache, out), log)
     preemptor = []
     try:
-        logged = stop_job(slurm, job_id, out, lambda: preemptor.append(slurm.run(
+        time_limit = stop_job(slurm, job_id, out, lambda: slurm.run("scancel", "--batch", "--signal=USR1", job_id),
+                              past=1)
+        until(lambda: "Stopped on SIGTERM" in log.read_text(), "the time-limit stop's line", 60)
+        first = stop_steps(log.read_text(), [time_limit])[0]
+        preempted = stop_job(slurm, job_id, out, lambda: preemptor.append(slurm.run(
             "sbatch", "--parsable", "--partition", "high", "--nodes", "2", "--cpus-per-task=1",
-            f"--output={tmp_path / 'high.out'}", "--wrap", "true").strip()))
-        report = assert_requeued_run_matches(slurm, job_id, out, log, logged, reference)
+            f"--output={tmp_path / 'high.out'}", "--wrap", "true").strip()), past=first + 1)
+        job = until_job(slurm, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+        output = log.read_text()
+        assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "2"), (job, output[-4000:])
         assert until_job(slurm, preemptor[0], ("COMPLETED",))["ExitCode"] == "0:0"
-        print(f"preempted by job {preemptor[0]} (partition high) after step {logged}: {report}")
+        steps = stop_steps(output, [time_limit, preempted])
+        reports = [assert_stop_checkpoint(out, output, step, reference) for step in steps]
+        for step in steps:  # each checkpoint resumed once, by the run requeued after it
+            assert output.count(f"Resumed from {os.path.join(out, 'checkpoints', f'step_{step}')} at optimizer step "
+                                f"{step}") == 1, output[-4000:]
+        rows = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
+        assert rows == list(range(1, MAX_STEPS + 1)), rows  # each step once
+        until(lambda: not processes_writing_to(str(out)), "the end of the job's processes", 60)
+        print(f"time limit (USR1 to the batch script) after step {time_limit}: checkpoint at step {steps[0]}: "
+              f"{reports[0]}; requeued; preempted by job {preemptor[0]} (partition high) after step {preempted}: "
+              f"checkpoint at step {steps[1]}: {reports[1]}; requeued again, then {assert_same_run(out, reference)}")
     finally:
         kill_all(processes_writing_to(str(out)))
 
@@ -275,7 +282,8 @@ def test_scancel_leaves_a_resumable_checkpoint(slurm, corpus, cache, uninterrupt
         with open(log) as f:
             output = f.read()
         assert (job["JobState"], job["Restarts"]) == ("CANCELLED", "0"), (job, output[-4000:])
-        step, report = assert_stop_checkpoint(out, output, logged, reference)
+        step = stop_steps(output, [logged])[0]
+        report = assert_stop_checkpoint(out, output, step, reference)
         assert os.listdir(out / "checkpoints") == [f"step_{step}"] and not (out / "model.safetensors").exists()
         print(f"scancel after step {logged}: job cancelled, not requeued; checkpoint at step {step}: {report}")
     finally:
