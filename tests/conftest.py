@@ -200,8 +200,16 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: starts training runs; left out of the fast tier (-m 'not slow')")
 
 
+# The files that take one worker longest (docs/tests.md has their times), run first: `--dist loadfile` hands out
+# files in collection order, so the two workers end on short files, together, not one on a 3-minute file alone.
+SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_chunked_loss.py", "test_preemption.py",
+                 "test_gpu_suite.py", "test_distributed.py", "test_lora_engines.py", "test_pretrain.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         fast = FAST.get(item.path.name, set())
         if fast != "*" and item.originalname not in fast:
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept

@@ -238,7 +238,8 @@ def test_a_data_error_creates_no_output_dir(tmp_path, num_processes):
         os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
         os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"), "--num_processes", "2", "--main_process_port", "0"]
     out = tmp_path / "out"
-    proc = run_script("pretrain_llama.py", *bad_data, "--output_dir", str(out), launcher=launch, check=False)
+    proc = run_script("pretrain_llama.py", *bad_data, "--output_dir", str(out), launcher=launch, check=False,
+                      launcher_output=False)  # the processes' lines and the folder (the launcher's report: above)
     assert proc.returncode == (2 if num_processes == 1 else 1), proc.stderr[-3000:]  # accelerate's status: 1
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
         f"error: --train_file {rows}: line 2 is not valid JSON (Expecting ',' delimiter at column 13)"]
