@@ -44,8 +44,8 @@ from test_distributed import (  # noqa: F401 (init_model and reference are fixtu
     train_args,
 )
 from test_fsdp import GRAD_NORM_RTOL, compare_runs
-from test_preemption import (TOL, alive, assert_same_checkpoint, command_lines_naming, kill_all, last_logged_step,
-                             trainer_pids)
+from test_preemption import (LANDS_WITHIN, TOL, alive, assert_same_checkpoint, command_lines_naming, kill_all,
+                             last_logged_step, trainer_pids)
 
 # Config file and the launch flags that make it fp32 (the files for GPUs say bf16).
 CONFIGS_UNDER_TEST = {"multi_node.yaml": ("--mixed_precision", "no"),
@@ -245,9 +245,10 @@ def test_launcher_killed_both_stop_at_one_checkpoint_and_resume_exactly(corpus, 
         machines.kill()
     output = machines.output(0)
     assert status != 0 and seconds < KILLED_DDP_TIMEOUT, (status, seconds, output[-3000:])
-    assert STOP_AT <= logged < LOST_MAX_STEPS - 1, f"both machines had logged step {logged} when it was killed"
+    assert STOP_AT <= logged < LOST_MAX_STEPS - LANDS_WITHIN, f"both machines had logged step {logged} when killed"
     step = newest_checkpoint(out)
-    assert os.listdir(out / "checkpoints") == [f"step_{step}"] and step in (logged, logged + 1), (logged, step)
+    assert os.listdir(out / "checkpoints") == [f"step_{step}"] and logged <= step <= logged + LANDS_WITHIN, \
+        (logged, step)
     path = out / "checkpoints" / f"step_{step}"
     lines = [line for line in output.splitlines() if "Stopped on" in line]
     assert len(lines) == 1 and (f"Stopped on another process's signal after optimizer step {step}; checkpoint "

@@ -5,8 +5,8 @@ unchanged, with only command-line and environment overrides: 2 nodes x 1 CPU pro
 
 Each job trains MAX_STEPS optimizer steps of test_preemption.py's run; the reference is its uninterrupted 2-process
 run. Once both trainers have logged a given step they are paused (SIGSTOP), the job is stopped the way Slurm would,
-and they go on once Slurm's SIGTERM waits for them: the step the stop lands in is then known (the last one logged,
-or the next). Properties:
+and they go on once Slurm's SIGTERM waits for them: the step the stop lands in is then known (one or two after the
+last one logged, test_preemption.py). Properties:
 - time limit: the signal that `#SBATCH --signal=B:USR1@180` sends (here at once, `scancel --batch --signal=USR1`)
   makes every rank finish its step and publish one checkpoint at that step, equal to the uninterrupted run's; the
   job is requeued by Slurm and the requeued run resumes it;
@@ -41,6 +41,7 @@ import pytest
 from conftest import ROOT, read_metrics
 from test_multinode import free_port, pause, processes_writing_to, proc_status, signal_pending, until
 from test_preemption import (  # noqa: F401 (cache and uninterrupted are fixtures)
+    LANDS_WITHIN,
     MAX_STEPS,
     STOP_AT,
     alive,
@@ -214,16 +215,16 @@ def stop_job(slurm: SlurmCluster, job_id: str, out, stop, past: int = STOP_AT) -
     for pid in trainers:
         if alive(pid):
             os.kill(pid, signal.SIGCONT)
-    assert past <= logged < MAX_STEPS - 1, f"the trainers had logged step {logged}"
+    assert past <= logged < MAX_STEPS - LANDS_WITHIN, f"the trainers had logged step {logged}"
     return logged
 
 
 def stop_steps(output: str, logged: list[int]) -> list[int]:
-    """The steps the job's stops landed in, one per stop: the step logged when it came, or the next."""
+    """The steps the job's stops landed in, one per stop: within LANDS_WITHIN of the step logged when it came."""
     lines = [line for line in output.splitlines() if "Stopped on SIGTERM after optimizer step" in line]
     assert len(lines) == len(logged), output[-4000:]
     steps = [int(re.search(r"after optimizer step (\d+);", line).group(1)) for line in lines]
-    assert all(step in (seen, seen + 1) for step, seen in zip(steps, logged)), (logged, lines)
+    assert all(seen <= step <= seen + LANDS_WITHIN for step, seen in zip(steps, logged)), (logged, lines)
     return steps
 
 
