@@ -120,14 +120,18 @@ class ForkedProcess:
         return self.process.exitcode
 
 
-def start_forked(cmd: list[str], cwd: str, log_path: str) -> ForkedProcess:
-    """`Popen([sys.executable, *cmd], cwd=cwd, stdout=log, stderr=STDOUT, start_new_session=True)` with `log` opened
-    for appending, forked from the preloaded server, with this process's environment: for the tests that kill a
-    one-process run (a SIGKILL ends a fork as it ends any process)."""
-    open(log_path, "a").close()
-    process = _server().Process(target=_run_in_child, args=(cmd, cwd, dict(os.environ), log_path, log_path, True))
-    process.start()
-    return ForkedProcess(process)
+def start(cmd: list[str], cwd: str, log_path: str) -> subprocess.Popen | ForkedProcess:
+    """`Popen(cmd, cwd=cwd, stdout=log, stderr=STDOUT, start_new_session=True)` with `log` opened for appending and
+    this process's environment, for the tests that kill a one-process run: `python <script of this checkout>` is
+    forked from the preloaded server (a SIGKILL ends a fork as it ends any process), anything else is a subprocess."""
+    if cmd[0] == sys.executable and forkable(cmd[1]):
+        open(log_path, "a").close()
+        process = _server().Process(target=_run_in_child,
+                                    args=(cmd[1:], cwd, dict(os.environ), log_path, log_path, True))
+        process.start()
+        return ForkedProcess(process)
+    with open(log_path, "a") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def launched_environments(launch_args: list[str], env: dict[str, str]) -> tuple[list[str], list[dict[str, str]]] | None:

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import DAMAGES, ROOT, SCRIPTS, damage, read_metrics, run_script, skip_line
-from forked_runs import ForkedProcess, forkable, start_forked
+import forked_runs
+from forked_runs import ForkedProcess
 
 from common.checkpoint import CheckpointExtras, complete_checkpoints, find_checkpoint_to_resume, save_checkpoint
 from common.features.checksums import CHECKSUM, checkpoint_files, record_files, share, verify_checkpoint
@@ -51,12 +52,8 @@ def chaos_command(corpus, cache_dir, output_dir, config: str) -> list[str]:
 
 
 def start(cmd: list[str], log: str) -> subprocess.Popen | ForkedProcess:
-    """The run in its own process group, output appended to `log`: a fork of the preloaded server
-    (tests/forked_runs.py: no 4 s of imports per restart), or a subprocess where runs are not forked."""
-    if forkable(cmd[1]):
-        return start_forked(cmd[1:], ROOT, log)
-    with open(log, "a") as f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    """The run in its own process group, output appended to `log` (forked: no 4 s of imports per restart)."""
+    return forked_runs.start(cmd, ROOT, log)
 
 
 def sigkill(proc: subprocess.Popen | ForkedProcess) -> None:

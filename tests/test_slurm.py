@@ -49,6 +49,7 @@ from test_preemption import (  # noqa: F401 (cache and uninterrupted are fixture
     assert_same_run,
     cache,
     kill_all,
+    landed_after,
     last_logged_step,
     pretrain_args,
     trainer_pids,
@@ -224,7 +225,7 @@ def stop_steps(output: str, logged: list[int]) -> list[int]:
     lines = [line for line in output.splitlines() if "Stopped on SIGTERM after optimizer step" in line]
     assert len(lines) == len(logged), output[-4000:]
     steps = [int(re.search(r"after optimizer step (\d+);", line).group(1)) for line in lines]
-    assert all(seen <= step <= seen + LANDS_WITHIN for step, seen in zip(steps, logged)), (logged, lines)
+    assert all(landed_after(step, seen) for step, seen in zip(steps, logged)), (logged, lines)
     return steps
 
 
