@@ -62,8 +62,7 @@ def check_loss_honours_num_items(model, accelerator: Accelerator, router_aux_los
     accumulation x processes; harmless, and not checked, when that scale is 1.
 
     Two forwards of one probe row with a token count N and 2N: a loss that divides its sum by the count halves.
-    Collective under ZeRO-3/FSDP (all ranks run the same probe); the uncompiled module is used, so a compiled model
-    does not recompile for the probe's shape.
+    Collective under ZeRO-3/FSDP (all ranks run the same probe); eager, so nothing is compiled for its shape.
     """
     if accelerator.gradient_accumulation_steps * accelerator.num_processes == 1:
         return
@@ -73,8 +72,9 @@ def check_loss_honours_num_items(model, accelerator: Accelerator, router_aux_los
     module.eval()  # no dropout: both forwards see the same model
     shares = []
     for count in (7, 14):  # 7 labels predict something in a row of 8
-        outputs = module(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(count, device=ids.device),
-                         use_cache=False)
+        with torch.compiler.set_stance("force_eager"):
+            outputs = module(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(count, device=ids.device),
+                             use_cache=False)
         shares.append(backward_loss(outputs, accelerator, router_aux_loss_coef)[1].float())
     module.train(was_training)
     ratio = (shares[0] / shares[1]).item()

@@ -39,7 +39,6 @@ def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = (
                    help="Attention kernel.")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="Recompute activations in the backward pass (non-reentrant): less memory, ~30%% more compute.")
-    g.add_argument("--torch_compile", action="store_true", help="torch.compile the model (inductor).")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:

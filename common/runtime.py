@@ -17,7 +17,6 @@ from accelerate.utils import (
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     ProjectConfiguration,
-    TorchDynamoPlugin,
     set_seed,
 )
 
@@ -47,8 +46,6 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
         else:
             extra["cpu"] = True
     extra["kwargs_handlers"] = [process_group_kwargs(args.ddp_timeout, backend)]
-    if getattr(args, "torch_compile", False):
-        extra["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -58,6 +58,8 @@ from common.features.activation_memory import (add_activation_memory_args, check
                                                reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
+from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
+                                     compile_model)  # feature: torch compile
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
@@ -82,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
+    add_compile_args(parser)  # feature: torch compile
     add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_chunked_loss_args(parser)  # feature: chunked loss
@@ -98,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_finetuning_flags(args)
     check_data_files(args.train_file, args.validation_file)
     check_divergence_flags(args)  # feature: divergence guard
+    check_compile_flags(args)  # feature: torch compile
     check_peft_flags(args)  # feature: lora
     if args.packing and args.group_by_length:
         fail("--group_by_length saves nothing with --packing (packed batches have no padding)")
@@ -310,9 +314,11 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         return DIVERGED_STATUS
     if args.use_peft and args.merge_adapter:  # feature: lora
         export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForCausalLM, args.model_name_or_path)
-    log.write_results({**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
-                       "padding_fraction": log.padding_fraction, "num_parameters": total_params,
-                       "trainable_parameters": trainable, "train_examples": len(data["train"])})
+    results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
+               "padding_fraction": log.padding_fraction, "num_parameters": total_params,
+               "trainable_parameters": trainable, "train_examples": len(data["train"])}
+    results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
+    log.write_results(results)
     return 0
 
 
@@ -330,6 +336,8 @@ def build_model(args, config, accelerator, vocab_size: int):
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "CAUSAL_LM")
+    if args.torch_compile:  # feature: torch compile
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
     return model
 
 
@@ -411,12 +419,13 @@ def check_packing(accelerator: Accelerator, model: torch.nn.Module) -> None:
     Runs on the prepared model, on its device and in its precision, with every process doing the same forward: under
     ZeRO-3 and FSDP the parameters are gathered by the processes together (before `prepare` a ZeRO-3 model holds none).
     """
-    module = accelerator.unwrap_model(model, keep_torch_compile=False)  # no recompilation for two probe shapes
+    module = accelerator.unwrap_model(model, keep_torch_compile=False)
     ids = (torch.arange(1, 9, device=accelerator.device) % module.config.vocab_size).unsqueeze(0)
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]], device=accelerator.device)
     module.eval()
-    alone = module(input_ids=ids[:, 4:], use_cache=False).logits.float()
-    packed = module(input_ids=ids, position_ids=positions, use_cache=False).logits[:, 4:].float()
+    with torch.compiler.set_stance("force_eager"):  # nothing compiled for the two probe shapes
+        alone = module(input_ids=ids[:, 4:], use_cache=False).logits.float()
+        packed = module(input_ids=ids, position_ids=positions, use_cache=False).logits[:, 4:].float()
     module.train()
     # Relative to the spread of the logits; examples that attend to each other differ by O(1) (measured: 1.2-1.6).
     difference = ((alone - packed).abs().max() / (alone - alone.mean(-1, keepdim=True)).abs().max()).item()

@@ -38,6 +38,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
 from common.errors import fail
+from common.evaluation import full_batch
 from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
@@ -53,6 +54,8 @@ from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step
 from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
                                                reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
+from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
+                                     compile_model)  # feature: torch compile
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
@@ -76,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
+    add_compile_args(parser)  # feature: torch compile
     add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
@@ -97,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_finetuning_flags(args)
     check_data_files(args.train_file, args.validation_file)
     check_divergence_flags(args)  # feature: divergence guard
+    check_compile_flags(args)  # feature: torch compile
     check_peft_flags(args)  # feature: lora
     if args.group_by_length and args.pad_to_max_length:
         fail("--group_by_length saves nothing with --pad_to_max_length (every batch has the same length)")
@@ -235,7 +240,6 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
     model, head = build_classifier(args, accelerator, label_names)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
@@ -301,10 +305,12 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
                             args.model_name_or_path, **head)
     exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else (progress.step, last_metrics)
     logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}")
-    log.write_results({**exported, "exported_step": exported_step, "train_steps": progress.step,
-                       "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,
-                       "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
-                       "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": ga})
+    results = {**exported, "exported_step": exported_step, "train_steps": progress.step,
+               "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,
+               "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
+               "per_device_train_batch_size": args.per_device_train_batch_size, "gradient_accumulation_steps": ga}
+    results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
+    log.write_results(results)
     return 0
 
 
@@ -326,6 +332,8 @@ def build_classifier(args, accelerator, label_names: list[str]):
         reduce_activation_memory(model, args.selective_ac_option, args.activation_offloading)
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "SEQ_CLS")
+    if args.torch_compile:  # feature: torch compile
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
     return model, head
 
 
@@ -440,9 +448,11 @@ def evaluate(model, dataloader, accelerator, num_labels: int) -> dict[str, float
     """
     model.eval()
     predictions, references, losses = [], [], []
+    full_rows = None
     for batch in dataloader:
         labels = batch.pop("labels")
-        logits = model(**batch).logits.float()
+        full_rows = full_rows or len(labels)
+        logits = model(**full_batch(batch, full_rows)).logits[:len(labels)].float()
         loss = F.cross_entropy(logits, labels, reduction="none")
         p, r, l = accelerator.gather_for_metrics((logits.argmax(-1), labels, loss))
         predictions.append(p)

@@ -45,6 +45,8 @@ from common.features.activation_memory import (add_activation_memory_args, check
                                                reduce_activation_memory)  # feature: activation memory
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
+from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
+                                     compile_model)  # feature: torch compile
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
@@ -66,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
+    add_compile_args(parser)  # feature: torch compile
     add_activation_memory_args(parser)  # feature: activation memory
     add_chunked_loss_args(parser)  # feature: chunked loss
     add_streaming_args(parser)  # feature: streaming
@@ -78,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_common_flags(args)
     check_data_files(args.train_file, args.validation_file)
     check_divergence_flags(args)  # feature: divergence guard
+    check_compile_flags(args)  # feature: torch compile
     if args.block_size < 2:
         fail(f"--block_size must be >= 2 (got {args.block_size})")
     check_streaming_flags(args)  # feature: streaming
@@ -221,6 +225,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     if args.sample_max_new_tokens > 0 and accelerator.is_main_process:
         results["sample"] = generate_sample(args.output_dir, args.sample_prompt, args.sample_max_new_tokens)
         logger.info(f"Sample from the exported model:\n{results['sample']}")
+    results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
     log.write_results(results)
     return 0
 
@@ -250,6 +255,8 @@ def build_model(args, config, vocab_size: int):
         use_chunked_loss(model)
     if args.selective_ac_option or args.activation_offloading:  # feature: activation memory
         reduce_activation_memory(model, args.selective_ac_option, args.activation_offloading)
+    if args.torch_compile:  # feature: torch compile
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
     return model
 
 

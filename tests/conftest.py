@@ -173,7 +173,9 @@ def skip_line(checkpoint, problem: str) -> str:
 # Every other test is marked `slow`: it starts training runs (`accelerate launch`, several seconds of imports each).
 # Listed by file: "*" for the whole file, else the test functions (parametrized cases included).
 FAST = {
-    "test_code_layout.py": "*", "test_loops.py": "*", "test_docs.py": "*", "test_steps.py": "*",
+    "test_code_layout.py": "*", "test_loops.py": "*",
+    "test_compile.py": {"test_each_repeated_block_is_compiled_in_place_and_nothing_else",
+                        "test_compile_flags_without_torch_compile_are_one_line"}, "test_docs.py": "*", "test_steps.py": "*",
     "test_accumulation.py": "*", "test_optim_and_modeling.py": "*",
     "test_upstream.py": {"test_the_workarounds_were_written_for_the_pinned_and_installed_versions",
                          "test_accelerate_has_no_public_list_of_prepared_objects_or_hooks",
@@ -208,7 +210,7 @@ SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_chunked_loss.py", "
                  "test_gpu_suite.py", "test_distributed.py", "test_lora_engines.py", "test_pretrain.py",
                  "test_bad_inputs.py", "test_lora.py", "test_crash_safety.py", "test_init_parity.py",
                  "test_finetune_classifier.py", "test_resume_guard.py", "test_benchmark.py",
-                 "test_finetune_causal_lm.py", "test_activation_memory.py", "test_fsdp.py")
+                 "test_finetune_causal_lm.py", "test_compile.py", "test_activation_memory.py", "test_fsdp.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

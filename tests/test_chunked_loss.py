@@ -153,19 +153,19 @@ def test_chunked_training_matches_the_unchunked_one_process_run(engine, corpus, 
 
 def test_torch_compile_trains_with_chunked_loss_and_exports_plain_weights(corpus, init_model, reference,  # noqa: F811
                                                                           tmp_path):
-    """Compiled, the chunked op runs eagerly (a graph break); the losses stay the unchunked run's (compiled kernels
-    sum in another order: 1e-4). The export of the compiled model has no `_orig_mod.` keys, loads with no missing or
-    unexpected weights and generates (one compiled run for both: a cold inductor build takes a minute here)."""
+    """The whole model compiled (--torch_compile_whole_model; the regional default is tests/test_compile.py's), the
+    chunked op runs eagerly (a graph break); the losses stay the unchunked run's (compiled kernels sum in another
+    order: 1e-4). The export has no `_orig_mod.` keys, loads with no missing or unexpected weights and generates (one
+    compiled run for both: a cold inductor build of the whole model takes a minute here)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from test_distributed import train_rows
 
     out = tmp_path / "compiled"
-    # The validation split packs into 65 blocks: 13 evaluation batches of 5, no short last one to compile again (18 s)
     run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4, "--chunked_cross_entropy",
-                                                "--torch_compile", "--max_steps", "2", "--sample_max_new_tokens", "8",
-                                                "--per_device_eval_batch_size", "5"))
+                                                "--torch_compile", "--torch_compile_whole_model", "--max_steps", "2",
+                                                "--sample_max_new_tokens", "8"))
     run, ref = train_rows(out), train_rows(reference)
     assert sorted(run) == [1, 2]
     for step in run:

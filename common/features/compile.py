@@ -1,0 +1,66 @@
+"""torch.compile, once: each repeated block (decoder layer) compiled in place and reused by every layer, with shapes
+that do not recompile at every new length (docs/techniques.md#torchcompile)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common.errors import fail
+
+
+def add_compile_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("torch.compile")
+    g.add_argument("--torch_compile", action="store_true",
+                   help="torch.compile each repeated block (decoder layer) once, reused by every layer (regional).")
+    g.add_argument("--torch_compile_whole_model", action="store_true",
+                   help="With --torch_compile: one graph for the whole model. For a model without repeated blocks, "
+                        "or a long run on fixed shapes whose fusion across layers repays a cold compile that grows "
+                        "with the number of layers (minutes for 1B+ models).")
+    g.add_argument("--torch_compile_backend", default="inductor",
+                   help="torch.compile backend (aot_eager and eager only trace: for debugging).")
+    g.add_argument("--torch_compile_mode", choices=("default", "reduce-overhead", "max-autotune"),
+                   help="torch.compile mode (None: torch's default).")
+
+
+def check_compile_flags(args: argparse.Namespace) -> None:
+    if (args.torch_compile_whole_model or args.torch_compile_mode) and not args.torch_compile:
+        fail("--torch_compile_whole_model and --torch_compile_mode need --torch_compile")
+
+
+def compile_model(model: torch.nn.Module, whole_model: bool, backend: str, mode: str | None) -> None:
+    """Compile in place, before `accelerator.prepare` (nn.Module.compile: the state dict keeps its keys, and hooks
+    that DDP, DeepSpeed or FSDP2 add later still run, as accelerate's own DeepSpeed and FSDP2 paths rely on).
+
+    Regional (the default), as torch's regional-compilation recipe: each block of the repeated blocks (a ModuleList of
+    one class) is compiled, so one compilation serves every layer and a cold start takes seconds; the embedding,
+    final norm and head stay eager (one kernel each). accelerate's `compile_regions` compiles those too, through one
+    wrapper whose cache they share: with evaluation and a one-row batch its entries passed torch's recompile limit
+    (8), after which it ran eagerly, silently (measured, accelerate 1.15, torch 2.13).
+
+    Shapes: torch's automatic dynamic shapes (`dynamic=None`, not accelerate's launcher default, which exports
+    ACCELERATE_DYNAMO_USE_DYNAMIC=False: with it every new sequence length compiled again). A dimension is compiled
+    static; the first time it changes it is compiled once more as a symbol, which every later length reuses.
+    """
+    if whole_model:
+        model.compile(backend=backend, mode=mode)
+        return
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+             and len({type(block) for block in m}) == 1]
+    inner = {id(m) for blocks in lists for block in blocks for m in block.modules()}  # e.g. experts inside a layer
+    blocks = [block for blocks in lists if id(blocks) not in inner for block in blocks]
+    if not blocks:
+        fail(f"--torch_compile: {type(model).__name__} has no repeated blocks to compile one at a time; add "
+             "--torch_compile_whole_model")
+    for block in blocks:
+        block.compile(backend=backend, mode=mode)
+
+
+def compile_counts() -> dict[str, int]:
+    """Graphs torch.compile built in this process and the graph breaks it met, for all_results.json (torch 2.13:
+    dynamo's `counters`, private: no public count; tests/test_compile.py reads them through here)."""
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}

@@ -1,0 +1,123 @@
+"""`--torch_compile` compiles each decoder layer once (regional compilation, in place) and then no more: every recipe
+compiles a bounded number of graphs whatever its data, with no graph break, and trains as the eager model does.
+
+Counts come from the run's all_results.json (`compiled_graphs`, `graph_breaks`: dynamo's own counters). The
+numerical checks use inductor, the default backend; the counting checks use `aot_eager`, which traces forward and
+backward as inductor does (the same graphs, guards and recompilations) without building kernels (minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import launcher, read_metrics, run_script
+from test_distributed import assert_same_training, init_model, reference, train_args  # noqa: F401  (fixtures)
+from test_finetune_causal_lm import finetune, max_difference, sft, weights  # noqa: F401  (fixtures)
+from test_finetune_classifier import classify, tiny  # noqa: F401  (fixture)
+
+from common.features.compile import compile_model
+
+TRACE_ONLY = ("--torch_compile", "--torch_compile_backend", "aot_eager")
+# Graphs a compiled decoder layer may need, whatever the lengths: in training one static, one with the changing
+# dimension as a symbol, one for a one-row batch (torch specialises sizes of 1); in evaluation (no gradients: another
+# graph) one static and one symbolic (its ragged last batch is topped up to the full batch: no graph of its own).
+GRAPH_BOUND = 5
+
+
+def compile_results(out) -> dict:
+    with open(f"{out}/all_results.json") as f:
+        results = json.load(f)
+    return {key: results.get(key) for key in ("compiled_graphs", "graph_breaks")}
+
+
+def test_regional_compilation_trains_as_eager_and_compiles_two_graphs(corpus, init_model, reference, tmp_path):  # noqa: F811
+    """Inductor, one process: the eager run's losses, gradient norms and weights (tests/test_distributed.py's
+    tolerances); one graph for training and one for evaluation, though the validation split's 65 blocks end in a
+    batch of one row at every evaluation; the export and the checkpoint keep the model's own keys."""
+    out = tmp_path / "compiled"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 4, "--torch_compile", "--eval_steps", "2",
+                                                "--checkpointing_steps", "4", "--sample_max_new_tokens", "8"))
+    print(f"regional, inductor: {assert_same_training(out, reference)}")
+    assert compile_results(out) == {"compiled_graphs": 2, "graph_breaks": 0}
+    evals = [row for row in read_metrics(str(out)) if "eval_loss" in row]
+    assert [row["step"] for row in evals] == [2, 4]
+    from safetensors.torch import load_file
+
+    assert not [key for key in load_file(out / "model.safetensors") if "_orig_mod" in key]
+    assert not [key for key in load_file(out / "checkpoints" / "step_4" / "model.safetensors") if "_orig_mod" in key]
+
+
+def test_two_compiled_processes_train_as_one_eager(corpus, init_model, reference, tmp_path):  # noqa: F811
+    """DDP over 2 processes, each compiling its layers (inductor): the one-process eager run's training; a graph for
+    training and one for the final evaluation."""
+    out = tmp_path / "ddp"
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 2, "--torch_compile"),
+               launcher=launcher("cpu_2proc.yaml"))
+    print(f"regional, inductor, 2 processes: {assert_same_training(out, reference)}")
+    assert compile_results(out) == {"compiled_graphs": 2, "graph_breaks": 0}
+
+
+def test_sft_on_many_lengths_compiles_a_bounded_number_of_graphs(sft, tmp_path):  # noqa: F811
+    """A whole epoch of prompt/completion rows padded to many lengths, batches of 3 (the last of one row), evaluated
+    every 5 steps: at most GRAPH_BOUND graphs, no graph break (with static shapes each new length compiled again and
+    torch's recompile limit of 8 was passed), and the eager run's weights."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sft["model"])
+    with open(sft["train"]) as f:
+        lengths = {-(-len(tokenizer(row["prompt"] + row["completion"])["input_ids"]) // 8) * 8
+                   for row in map(json.loads, f)}
+    assert len(lengths) > 8, "the data must have more lengths than torch's recompile limit"
+    epoch = ("--max_steps", "-1", "--num_train_epochs", "1", "--per_device_train_batch_size", "3", "--eval_steps", "5",
+             "--per_device_eval_batch_size", "5")
+    compiled = finetune(sft, str(tmp_path / "compiled"), *epoch, *TRACE_ONLY)
+    eager = finetune(sft, str(tmp_path / "eager"), *epoch)
+    counts = compile_results(compiled)
+    print(f"SFT over {len(lengths)} padded lengths: {counts}")
+    assert counts["compiled_graphs"] <= GRAPH_BOUND and counts["graph_breaks"] == 0
+    assert max_difference(weights(compiled), weights(eager)) <= 1e-5
+
+
+def test_classifier_compiles_a_bounded_number_of_graphs(tiny, tmp_path):  # noqa: F811
+    out = str(tmp_path / "compiled")
+    classify(tiny, out, "--max_steps", "8", "--per_device_train_batch_size", "8", "--max_seq_length", "128",
+             "--eval_steps", "4", "--per_device_eval_batch_size", "5", *TRACE_ONLY)
+    counts = compile_results(out)
+    print(f"classifier: {counts}")
+    assert counts["compiled_graphs"] <= GRAPH_BOUND and counts["graph_breaks"] == 0
+
+
+def test_each_repeated_block_is_compiled_in_place_and_nothing_else():
+    """Every decoder layer, nothing else (or the whole model, flagged); the state dict keeps its keys; a model without
+    repeated blocks is refused in one line naming the flag that serves it."""
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=100))
+    bert = BertModel(BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                vocab_size=100))
+    for model, blocks in ((llama, llama.model.layers), (bert, bert.encoder.layer)):
+        keys = list(model.state_dict())
+        compile_model(model, False, "aot_eager", None)
+        compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        assert compiled == list(blocks)
+        assert list(model.state_dict()) == keys
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(SystemExit) as stop:
+        compile_model(plain, False, "aot_eager", None)
+    assert stop.value.code == 2
+    compile_model(plain, True, "aot_eager", None)
+    assert plain._compiled_call_impl is not None and list(plain.state_dict()) == ["0.weight", "0.bias"]
+
+
+def test_compile_flags_without_torch_compile_are_one_line(capsys, tmp_path):
+    from test_bad_inputs import load_script
+
+    with pytest.raises(SystemExit) as stop:
+        load_script("pretrain_llama").parse_args(["--torch_compile_mode", "max-autotune", "--output_dir",
+                                                  str(tmp_path / "out")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --torch_compile_whole_model and --torch_compile_mode need --torch_compile"]
