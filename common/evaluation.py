@@ -31,6 +31,6 @@ def evaluate_causal_lm(model, dataloader, accelerator: Accelerator) -> dict[str,
     return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(token_count.item())}
 
 
-def full_batch(batch: dict, rows: int) -> dict:  # compiled, a ragged last batch's size would be a graph of its own
+def full_batch(batch: dict, rows: int) -> dict:  # compiled, a ragged last batch's size is a graph of its own
     missing = rows - len(next(iter(batch.values())))
     return {k: torch.cat([v, v[-1:].expand(missing, *v.shape[1:])]) for k, v in batch.items()} if missing > 0 else batch

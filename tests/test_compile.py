@@ -121,3 +121,24 @@ def test_compile_flags_without_torch_compile_are_one_line(capsys, tmp_path):
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --torch_compile_whole_model and --torch_compile_mode need --torch_compile"]
+
+
+def test_zero3_is_refused_in_one_line(monkeypatch, capsys):
+    """DeepSpeed's ZeRO-3 hooks cut each compiled layer into pieces (55 graph breaks, the recompile limit passed)."""
+    import argparse
+    import os
+
+    from common.features.compile import check_compile_flags
+    from conftest import ROOT
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", raising=False)
+    args = argparse.Namespace(torch_compile=True, torch_compile_whole_model=False, torch_compile_mode=None)
+    for config, refused in (("zero2.json", False), ("zero3.json", True), ("zero3_offload.json", True)):
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", os.path.join(ROOT, "ds_configs", config))
+        if not refused:
+            check_compile_flags(args)
+            continue
+        with pytest.raises(SystemExit):
+            check_compile_flags(args)
+        assert capsys.readouterr().err.startswith("error: --torch_compile under DeepSpeed ZeRO-3:")
