@@ -6,11 +6,12 @@ the compilations of an SFT run on rows of many lengths.
     python benchmarks/compile_once.py --before ../old-checkout   # also the SFT run of another checkout
 
 Every run is a fresh `accelerate launch --quiet` with inductor's caches off (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1:
-each compile cold) and a metrics row per step. `to step 1` is the seconds from the process's start to its first step's row (imports, data,
-model, and for compiled runs the compilation of the first step's graphs); `compile` is that minus the eager run's;
-`step` is the median step time after the first three; compilations are dynamo's own count (`compiled_graphs` in
-all_results.json) or, for a checkout without it, the `Recompiling function` lines of TORCH_LOGS=recompiles plus one
-per compiled frame. Runs of one table alternate (A B C A B C ...) and the table holds medians.
+each compile cold) and a metrics row per step. `to step 1` is the seconds from the process's start to its first step's
+row (imports, data, model, and for compiled runs the compilation of the first step's graphs); `compile` is that minus
+the eager run's; `step` is the median step time after the first three; compilations are dynamo's own count
+(`compiled_graphs` in all_results.json) or, for a checkout without it, the `Recompiling function` lines of
+TORCH_LOGS=recompiles plus one per compiled frame. Runs of one table alternate (A B C A B C ...) and the table holds
+medians.
 """
 
 from __future__ import annotations
