@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import launcher, read_metrics, run_script
+from conftest import copy_checkpoints, launcher, read_metrics, run_script
 from test_distributed import assert_same_training, init_model, reference, train_args  # noqa: F401  (fixtures)
 from test_finetune_causal_lm import finetune, max_difference, sft, weights  # noqa: F401  (fixtures)
 from test_finetune_classifier import classify, tiny  # noqa: F401  (fixture)
@@ -50,11 +50,11 @@ def test_regional_compilation_trains_as_eager_and_compiles_two_graphs(corpus, in
 
 
 def test_two_compiled_processes_train_as_one_eager(corpus, init_model, reference, tmp_path):  # noqa: F811
-    """DDP over 2 processes, each compiling its layers (inductor): the one-process eager run's training; a graph for
-    training and one for the final evaluation."""
+    """DDP over 2 processes, each compiling its layers (inductor), with the chunked loss (eager, outside the layers):
+    the one-process eager run's training; a graph for training and one for the final evaluation."""
     out = tmp_path / "ddp"
-    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 2, "--torch_compile"),
-               launcher=launcher("cpu_2proc.yaml"))
+    run_script("pretrain_llama.py", *train_args(corpus, init_model, out, 2, "--torch_compile",
+                                                "--chunked_cross_entropy"), launcher=launcher("cpu_2proc.yaml"))
     print(f"regional, inductor, 2 processes: {assert_same_training(out, reference)}")
     assert compile_results(out) == {"compiled_graphs": 2, "graph_breaks": 0}
 
@@ -72,12 +72,16 @@ def test_sft_on_many_lengths_compiles_a_bounded_number_of_graphs(sft, tmp_path):
     assert len(lengths) > 8, "the data must have more lengths than torch's recompile limit"
     epoch = ("--max_steps", "-1", "--num_train_epochs", "1", "--per_device_train_batch_size", "3", "--eval_steps", "5",
              "--per_device_eval_batch_size", "5")
-    compiled = finetune(sft, str(tmp_path / "compiled"), *epoch, *TRACE_ONLY)
+    compiled = finetune(sft, str(tmp_path / "compiled"), *epoch, *TRACE_ONLY, "--checkpointing_steps", "10")
     eager = finetune(sft, str(tmp_path / "eager"), *epoch)
     counts = compile_results(compiled)
     print(f"SFT over {len(lengths)} padded lengths: {counts}")
     assert counts["compiled_graphs"] <= GRAPH_BOUND and counts["graph_breaks"] == 0
     assert max_difference(weights(compiled), weights(eager)) <= 1e-5
+    # the compiled run's checkpoint holds the model's own names: an eager run resumes it and ends where both ended
+    copy_checkpoints(compiled, tmp_path / "resumed", 10)
+    resumed = finetune(sft, str(tmp_path / "resumed"), *epoch, "--resume_from_checkpoint", "latest")
+    assert max_difference(weights(resumed), weights(eager)) <= 1e-5
 
 
 def test_classifier_compiles_a_bounded_number_of_graphs(tiny, tmp_path):  # noqa: F811
