@@ -57,7 +57,11 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset, 128 tokens, few steps: minutes on a CPU")
     parser.add_argument("--script", help=f"Training script to benchmark (default: {PRETRAIN}).")
-    parser.add_argument("--methods", help="Comma-separated methods (default: all). `baseline` is always run.")
+    parser.add_argument("--methods", help="Comma-separated methods (default: all). `baseline` is always run (see "
+                        "--no_baseline).")
+    parser.add_argument("--no_baseline", action="store_true", help="Run only the methods --methods names: no fp32 "
+                        "baseline unless named, so no ratios against it (a GPU it does not fit; a caller that runs "
+                        "methods one at a time).")
     parser.add_argument("--plain_reference", default="baseline", help="Method whose flags plain_pytorch mirrors.")
     parser.add_argument("--model_preset", help="Default: tiny (--quick), small (CPU), 1b (GPU); pretraining only.")
     parser.add_argument("--seq_len", type=int, help="Default: 128 (--quick), 256 (CPU), 2048 (GPU).")
@@ -108,7 +112,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     if "plain_pytorch" in wanted and (args.plain_reference not in args.table
                                       or "launcher" in args.table[args.plain_reference]):
         fail(f"--plain_reference {args.plain_reference} is not a single-process method")
-    args.methods = ["baseline"] + [m for m in dict.fromkeys(wanted) if m != "baseline"]
+    args.methods = ([] if args.no_baseline else ["baseline"]) + [m for m in dict.fromkeys(wanted)
+                                                                 if m != "baseline" or args.no_baseline]
     args.output_dir = os.path.abspath(args.output_dir)
     args.deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
     return args
@@ -288,7 +293,8 @@ def flag_value(cmd: list[str], flag: str, default: int = 1) -> int:
     return value
 
 
-def run_all(args) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]]:
+def run_all(args, done: tuple[str, ...] = ()) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]]:
+    """Each method's runs; `done`: methods the caller already ran (the plain loop's reference is not run again)."""
     runs, skipped, failed = {}, {}, {}
     order = [m for m in args.methods if m != "plain_pytorch"]
     for m in args.methods:
@@ -297,9 +303,10 @@ def run_all(args) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]
         if reason:
             skipped[m] = reason
     if "plain_pytorch" in args.methods and "plain_pytorch" not in skipped:
-        if args.plain_reference not in order:
+        if args.plain_reference not in order and args.plain_reference not in done:
             order.append(args.plain_reference)
-        order.insert(order.index(args.plain_reference) + 1, "plain_pytorch")
+        order.insert(order.index(args.plain_reference) + 1 if args.plain_reference in order else len(order),
+                     "plain_pytorch")
     order = [m for m in order if m not in skipped]
     for repeat in range(args.repeats):
         this = list(order)
@@ -340,10 +347,10 @@ def summarise(args, runs: dict[str, list[dict]], env: dict) -> list[dict]:
                       "script_args": args.script_args},
             "environment": env,
         })
-    base = next(r for r in rows if r["method"] == "baseline")
+    base = next((r for r in rows if r["method"] == "baseline"), None)  # None: run without it (--no_baseline)
     for r in rows:
-        r["speed_vs_baseline"] = r["tokens_per_second"] / base["tokens_per_second"]
-        r["memory_vs_baseline"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
+        r["speed_vs_baseline"] = r["tokens_per_second"] / base["tokens_per_second"] if base else None
+        r["memory_vs_baseline"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base else None
     plain = next((r for r in rows if r["method"] == "plain_pytorch"), None)
     ours = next((r for r in rows if r["method"] == args.plain_reference), None)
     for r in rows if plain else []:  # each repeat's runs are one round: a ratio per round, their median
@@ -383,12 +390,14 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
         runs = r["tokens_per_second_runs"]
         spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        speed, memory = (f"{x:.2f}x" if x is not None else "-" for x in (r["speed_vs_baseline"],
+                                                                         r["memory_vs_baseline"]))
         lines.append(f"| {r['method']} | `{' '.join(r['flags'])}` | {r['tokens_per_second']:,.0f}{spread} | "
-                     f"{r['samples_per_second']:.2f} | {r['speed_vs_baseline']:.2f}x | "
+                     f"{r['samples_per_second']:.2f} | {speed} | "
                      f"{1e3 * r['step_time_median_s']:.0f} [{1e3 * r['step_time_p25_s']:.0f}-"
                      f"{1e3 * r['step_time_p75_s']:.0f}] {1e3 * r['step_time_min_s']:.0f} | "
                      f"{r['peak_memory_bytes'] / 2**20:,.0f} | "
-                     f"{r['memory_vs_baseline']:.2f}x | {mfu} | {r['final_loss']:.5f} |")
+                     f"{memory} | {mfu} | {r['final_loss']:.5f} |")
     lines += ["", "tokens/s in parentheses: lowest-highest over runs. Peak memory: GPU `max_memory_allocated` on a GPU "
               "(reserved in results.json), the process's peak resident set size on a CPU (it includes Python, "
               "libraries and data preparation, so CPU memory ratios understate the techniques' savings)."]
@@ -453,13 +462,16 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     env = environment(sys.argv[1:])
     runs, skipped, failed = run_all(args)
-    if "baseline" not in runs:
+    if "baseline" in args.methods and "baseline" not in runs:
         fail(f"the baseline run failed, nothing to compare with:\n{failed.get('baseline', '')}")
+    if not runs:
+        fail("no method ran: " + "; ".join(f"{m}: {why.splitlines()[0]}" for m, why in {**skipped, **failed}.items()))
     rows = summarise(args, runs, env)
     with open(os.path.join(args.output_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=2)
     write_markdown(os.path.join(args.output_dir, "results.md"), rows, env, skipped, failed, args)
-    write_chart(os.path.join(args.output_dir, "results.png"), rows, env, args)
+    if "baseline" in runs:  # the chart's bars are ratios against it
+        write_chart(os.path.join(args.output_dir, "results.png"), rows, env, args)
     with open(os.path.join(args.output_dir, "results.md"), encoding="utf-8") as f:
         print(f.read())
     if failed:
