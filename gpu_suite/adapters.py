@@ -70,6 +70,8 @@ def run(suite: Suite, method: str) -> dict:
             "--model_name_or_path", paths["model"], "--train_file", paths["train"], "--validation_file",
             paths["validation"], "--bf16", "--gradient_checkpointing", "--learning_rate", "2e-4",
             "--max_eval_samples", "2", "--cache_dir", os.path.join(suite.work, "cache")]
+    if suite.seconds_left() < math.inf:  # the part's budget, or the headline row's cap
+        argv[:0] = ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     try:
         args = benchmark.parse_args(argv)
     except SystemExit as e:

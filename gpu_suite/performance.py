@@ -172,7 +172,7 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
         result = run_benchmark(suite, long_context, one_method(suite, method))
         row = result["rows"].get(method)
         if row is None:
-            why = result["failed"].get(method) or result["skipped"].get(method, "no result")
+            why = result["failed"].get(method) or "not run: " + result["skipped"].get(method, "no result")
             return Outcome(FAIL, why.splitlines()[0][:240])
         detail = {k: row[k] for k in ("tokens_per_second", "mfu", "peak_memory_bytes", "peak_memory_reserved_bytes",
                                       "final_loss", "step_time_median_s", "speed_vs_baseline")}
@@ -187,8 +187,8 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
             figure += f"; full logits ({FULL_LOGITS})" if FULL_LOGITS else "; chunked loss"
         if method == "plain_pytorch":
             if "ours_over_plain" not in row:
-                return Outcome(FAIL, f"no ratio: bf16_compile has no run ({result['failed'].get('bf16_compile', '')}"
-                               [:200] + f"); plain: {figure}", detail)
+                why = (result["failed"].get("bf16_compile") or "not run").splitlines()[0][:160]
+                return Outcome(FAIL, f"no ratio: bf16_compile has no run ({why}); plain: {figure}", detail)
             detail["ours_over_plain"] = row["ours_over_plain"]
             figure = f"ours / plain loop {row['ours_over_plain']:.3f}x (bf16_compile flags); plain: {figure}"
         return Outcome(PASS, figure, detail)
