@@ -12,7 +12,7 @@
 #   bash tools/lent_gpu.sh --dry-run          # any CPU: the same pass-through (tiny preset; CUDA-only rows SKIP)
 #
 # What it adds to `python -m gpu_suite "$@"`: the carried wheels installed into /tmp/site (once per machine) and put
-# on PYTHONPATH; --budget_s unless given: 480 for the headline part (it ends inside a call of timeout_s 560, the
+# on PYTHONPATH; --budget_s unless given: 460 for the headline part (it ends inside a call of timeout_s 540, the
 # wheels' install included), 540 for part 1 or 2 (one 10-minute call each); --copy_to "$OUT" when $OUT is set
 # (results and a tarball of the logs come back); unbuffered output (a call returns only the output's tail).
 # --wheels fetches through ../shared/tools/device_wheels.sh (DEVICE_WHEELS overrides the path): the versions of
@@ -93,7 +93,7 @@ if [[ " $* " != *" --dry-run "* ]]; then
   if [[ " $* " != *" --budget_s"* ]]; then  # start no row after this: the part ends inside its call
     case " $* " in
       *" --part all "* | *" --part=all "*) args+=(--budget_s 1080) ;;
-      *" --part headline "* | *" --part=headline "*) args+=(--budget_s 480) ;;
+      *" --part headline "* | *" --part=headline "*) args+=(--budget_s 460) ;;
       *) args+=(--budget_s 540) ;;
     esac
   fi
