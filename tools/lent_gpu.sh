@@ -29,7 +29,7 @@ LIMIT=$((64 * 1024 * 1024))  # what one device call may send: the working tree p
 pin() { sed -n "s/^$1==\([^ #]*\).*/\1/p" requirements.txt; }
 
 fetch_wheels() {
-  local tool stage transformers tree wheels bnb ds datasets torchdata
+  local tool stage transformers wheels bnb ds datasets torchdata
   tool=$(realpath "${DEVICE_WHEELS:-../shared/tools/device_wheels.sh}")
   bnb=$(pin bitsandbytes) ds=$(pin deepspeed) datasets=$(pin datasets) torchdata=$(pin torchdata)
   transformers=${TRANSFORMERS:-$(pin transformers)}
@@ -40,7 +40,8 @@ fetch_wheels() {
      EXTRA="torchao==${TORCHAO:-0.18.0} torchdata==$torchdata $transformers ${EXTRA:-}" bash "$tool" >/dev/null)
   rm -rf .whl && mv "$stage/.whl" .whl && rm -rf "$stage"  # one version of each package (two stop the install)
   [ "${BNB_KEEP:-cuda13}" = all ] || for wheel in .whl/bitsandbytes-*.whl; do
-    [ -e "$wheel" ] && "$PYTHON" - "$wheel" "${BNB_KEEP:-cuda13}" <<'EOF'
+    [ -e "$wheel" ] || continue
+    "$PYTHON" - "$wheel" "${BNB_KEEP:-cuda13}" <<'EOF'
 import re, sys, zipfile  # bitsandbytes loads libbitsandbytes_<torch's CUDA>.so alone: drop the other CUDAs and ROCm
 path, keep = sys.argv[1:]
 unused = re.compile(rf"bitsandbytes/libbitsandbytes_(?!{keep})(cuda|rocm)[\w.]*\.so")
