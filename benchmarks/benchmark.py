@@ -243,7 +243,10 @@ def run_once(args, method: str, repeat: int) -> dict:
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     every = args.logging_steps
-    if returncode != 0 or len(rows) != total // every or "time" not in rows[-1]:
+    complete = len(rows) == total // every and "time" in rows[-1]
+    # Stopped at --time_budget_s after its last timed step: only the untimed tail (evaluation, export) was cut.
+    tail_cut = returncode is None and complete
+    if not complete or (returncode != 0 and not tail_cut):
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
         status = f"stopped after {timeout:.0f} s (--time_budget_s)" if returncode is None else \
@@ -263,7 +266,7 @@ def run_once(args, method: str, repeat: int) -> dict:
             "samples_per_second": samples_per_step * args.timed_steps / seconds, "step_times": step_times,
             "mfu": time_weighted("mfu"), "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
             "peak_memory_reserved_bytes": max((r.get("peak_memory_reserved_bytes") or 0) for r in rows) or None,
-            "final_loss": rows[-1]["loss"]}
+            "final_loss": rows[-1]["loss"], "tail_cut": tail_cut}
 
 
 def run_logged(cmd: list[str], log, timeout: float | None) -> int | None:
@@ -342,6 +345,7 @@ def summarise(args, runs: dict[str, list[dict]], env: dict) -> list[dict]:
             "peak_memory_bytes": med("peak_memory_bytes"),
             "peak_memory_reserved_bytes": med("peak_memory_reserved_bytes"),
             "mfu": med("mfu"), "final_loss": med("final_loss"), "repeats": len(results),
+            "tail_cut": any(r.get("tail_cut") for r in results),
             "setup": {"model_preset": args.model_preset, "seq_len": args.seq_len, "warm_steps": args.warm_steps,
                       "timed_steps": args.timed_steps, "per_device_train_batch_size": args.per_device_train_batch_size,
                       "script_args": args.script_args},
@@ -415,6 +419,10 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
                           f"`{r['method']}` **{r['over_plain_median_of_rounds']:.3f}x** "
                           f"({min(r['over_plain_rounds']):.3f}-{max(r['over_plain_rounds']):.3f})" for r in rounds)
                       + "."]
+    cut = [r["method"] for r in rows if r.get("tail_cut")]
+    if cut:
+        lines += ["", "Stopped at --time_budget_s after their timed steps (the untimed evaluation and export cut): "
+                  + ", ".join(cut) + "."]
     if skipped:
         reasons = {}
         for method, why in skipped.items():

@@ -15,6 +15,7 @@ import torch
 from benchmarks import benchmark
 from common.inputs.modeling import LLAMA_PRESETS
 from gpu_suite.data import WORDS, write_jsonl
+from gpu_suite.performance import tail_note
 from gpu_suite.suite import FAIL, PASS, SFT, Outcome, Row, Suite
 from tools import estimate_memory
 
@@ -101,7 +102,7 @@ def adapter_row(method: str) -> Row:
                                          "final_loss")}
         if not all(math.isfinite(result[k]) for k in ("tokens_per_second", "final_loss")):
             return Outcome(FAIL, f"non-finite figures {detail}", detail)
-        figure = f"{result['tokens_per_second']:,.0f} tok/s"
+        figure = f"{result['tokens_per_second']:,.0f} tok/s" + tail_note(result)
         if not suite.cuda:
             return Outcome(PASS, figure + f", peak RSS {result['peak_memory_bytes'] / 2**20:,.0f} MiB (tiny preset on "
                            "a CPU: no figure to compare)", detail)

@@ -159,6 +159,11 @@ def run_benchmark(suite: Suite, long_context: bool = False, methods: list[str] |
     return state
 
 
+def tail_note(result: dict) -> str:
+    """Said of a run stopped at its cap or the budget after its timed steps (its figures are whole)."""
+    return "; stopped after its timed steps (evaluation and export cut)" if result.get("tail_cut") else ""
+
+
 def one_method(suite: Suite, method: str) -> list[str] | None:
     """The headline part runs (and saves) one method per row; part 2 runs all its planned methods at its first row."""
     return [method] if suite.args.part == "headline" else None
@@ -181,7 +186,7 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
         figure = f"{row['tokens_per_second']:,.0f} tok/s"
         if row["mfu"] is not None:
             figure += f", MFU {row['mfu']:.1%}"
-        figure += memory_figure(suite, method, row, detail)
+        figure += memory_figure(suite, method, row, detail) + tail_note(row)
         if long_context:
             detail["logits"] = "full" if FULL_LOGITS else "chunked"
             figure += f"; full logits ({FULL_LOGITS})" if FULL_LOGITS else "; chunked loss"
