@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import glob
 import json
+import math
 import os
 import platform
 import shlex
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     parser.add_argument("--logging_steps", type=int, default=1, help="A metrics row (and a timing) every N steps; "
                         "--warm_steps and --timed_steps must be multiples of it.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
+    parser.add_argument("--stop_after_timed_steps", action="store_true", help="Stop each run once its timed steps "
+                        "are logged, without waiting for its evaluation and export (minutes for large models).")
     parser.add_argument("--time_budget_s", type=float, help="Start no run after this many seconds; a run still going "
                         "then is stopped. Both are reported as failed. Default: no limit.")
     parser.add_argument("--output_dir", default="outputs/benchmark",
@@ -233,20 +236,19 @@ def run_once(args, method: str, repeat: int) -> dict:
         return {"error": "not started: the --time_budget_s is spent"}
     print(f"[{method} #{repeat + 1}] {shlex.join(cmd)}", flush=True)
     with open(os.path.join(run_dir, "log.txt"), "w", encoding="utf-8") as log:
-        returncode = run_logged(cmd, log, timeout)
-    rows = []
-    if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            rows = [r for r in map(json.loads, filter(str.strip, f)) if "tokens_per_second" in r]
+        done = (lambda: len(timed_rows(os.path.join(run_dir, "metrics.jsonl"))) == total // args.logging_steps) \
+            if args.stop_after_timed_steps else None
+        returncode = run_logged(cmd, log, timeout, done)
+    rows = timed_rows(os.path.join(run_dir, "metrics.jsonl"))
     for name in os.listdir(run_dir):  # keep the figures and the log, not the exported model
         if name not in ("metrics.jsonl", "all_results.json", "log.txt"):
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     every = args.logging_steps
     complete = len(rows) == total // every and "time" in rows[-1]
-    # Stopped at --time_budget_s after its last timed step: only the untimed tail (evaluation, export) was cut.
-    tail_cut = returncode is None and complete
-    if not complete or (returncode != 0 and not tail_cut):
+    # Stopped after its last timed step (at --time_budget_s, or as asked): only the evaluation and export were cut.
+    tail_cut = returncode is None and complete and not args.stop_after_timed_steps
+    if not complete or (returncode != 0 and not (returncode is None and complete)):
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
         status = f"stopped after {timeout:.0f} s (--time_budget_s)" if returncode is None else \
@@ -269,20 +271,41 @@ def run_once(args, method: str, repeat: int) -> dict:
             "final_loss": rows[-1]["loss"], "tail_cut": tail_cut}
 
 
-def run_logged(cmd: list[str], log, timeout: float | None) -> int | None:
-    """Run `cmd` with its output in `log`; its exit status, or None when it ran past `timeout` and was stopped.
+def timed_rows(path: str) -> list[dict]:
+    """The metrics rows of a run that carry a throughput (one per --logging_steps steps), as written so far (a line
+    still being written, or cut by a stop, is not one)."""
+    rows = []
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    return [r for r in rows if "tokens_per_second" in r]
 
-    With a timeout it gets its own process group, so that a launcher's workers (accelerate launch -> the script) stop
-    with it; without one it stays in ours (Ctrl-C reaches it).
+
+def run_logged(cmd: list[str], log, timeout: float | None, done=None) -> int | None:
+    """Run `cmd` with its output in `log`; its exit status, or None when it ran past `timeout`, or `done()` (asked
+    twice a second) said it has done what was needed, and it was stopped.
+
+    With a timeout or `done` it gets its own process group, so that a launcher's workers (accelerate launch -> the
+    script) stop with it; otherwise it stays in ours (Ctrl-C reaches it).
     """
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=timeout is not None,
+    group = timeout is not None or done is not None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=group,
                             env={"TOKENIZERS_PARALLELISM": "false", **os.environ})
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return None
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return proc.wait(timeout=None if done is None and left == math.inf else max(min(left, 0.5), 0))
+        except subprocess.TimeoutExpired:
+            if left <= 0 or (done is not None and done()):
+                break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return None
 
 
 def flag_value(cmd: list[str], flag: str, default: int = 1) -> int:

@@ -110,6 +110,7 @@ def benchmark_argv(suite: Suite, methods: list[str], long_context: bool) -> list
             str(s.timed_steps), "--output_dir", os.path.join(suite.work, "long" if long_context else "benchmark")]
     if not long_context:
         argv = ["--plain_reference", "bf16_compile"] + argv
+    argv += headline_run_flags(suite)
     if suite.seconds_left() < math.inf:
         argv += ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     argv += ["--", "--cache_dir", os.path.join(suite.work, "cache"), "--tokenizer_vocab_size", str(s.perf_vocab)]
@@ -157,6 +158,11 @@ def run_benchmark(suite: Suite, long_context: bool = False, methods: list[str] |
         with open(md, encoding="utf-8") as f:  # its title one level under the suite's section
             state["markdown"] = f.read().replace("# Benchmark:", "### Benchmark:", 1)
     return state
+
+
+def headline_run_flags(suite: Suite) -> list[str]:
+    """The headline part does not wait for a run's evaluation and export once its timed steps are logged."""
+    return ["--stop_after_timed_steps"] if suite.args.part == "headline" else []
 
 
 def tail_note(result: dict) -> str:
