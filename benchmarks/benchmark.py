@@ -248,7 +248,7 @@ def run_once(args, method: str, repeat: int) -> dict:
     complete = len(rows) == total // every and "time" in rows[-1]
     # Stopped after its last timed step (at --time_budget_s, or as asked): only the evaluation and export were cut.
     tail_cut = returncode is None and complete and not args.stop_after_timed_steps
-    if not complete or (returncode != 0 and not (returncode is None and complete)):
+    if not complete or returncode not in (0, None):
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
         status = f"stopped after {timeout:.0f} s (--time_budget_s)" if returncode is None else \
