@@ -1,4 +1,4 @@
-"""The GPU suite: proves the recipes on a GPU in two parts (correctness, performance), and its plumbing on a CPU.
+"""The GPU suite: proves the recipes on a GPU (a headline part, correctness, performance), and its plumbing on a CPU.
 
     python -m gpu_suite --part headline  # the figures that matter most, first: one device call on an H100
     python -m gpu_suite --part 1     # correctness on CUDA: precisions, optimizers, memory techniques, launchers
