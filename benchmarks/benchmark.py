@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import glob
 import json
+import math
 import os
 import platform
 import shlex
@@ -57,7 +58,11 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset, 128 tokens, few steps: minutes on a CPU")
     parser.add_argument("--script", help=f"Training script to benchmark (default: {PRETRAIN}).")
-    parser.add_argument("--methods", help="Comma-separated methods (default: all). `baseline` is always run.")
+    parser.add_argument("--methods", help="Comma-separated methods (default: all). `baseline` is always run (see "
+                        "--no_baseline).")
+    parser.add_argument("--no_baseline", action="store_true", help="Run only the methods --methods names: no fp32 "
+                        "baseline unless named, so no ratios against it (a GPU it does not fit; a caller that runs "
+                        "methods one at a time).")
     parser.add_argument("--plain_reference", default="baseline", help="Method whose flags plain_pytorch mirrors.")
     parser.add_argument("--model_preset", help="Default: tiny (--quick), small (CPU), 1b (GPU); pretraining only.")
     parser.add_argument("--seq_len", type=int, help="Default: 128 (--quick), 256 (CPU), 2048 (GPU).")
@@ -69,6 +74,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     parser.add_argument("--logging_steps", type=int, default=1, help="A metrics row (and a timing) every N steps; "
                         "--warm_steps and --timed_steps must be multiples of it.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs per method; rows hold the medians.")
+    parser.add_argument("--stop_after_timed_steps", action="store_true", help="Stop each run once its timed steps "
+                        "are logged, without waiting for its evaluation and export (minutes for large models).")
     parser.add_argument("--time_budget_s", type=float, help="Start no run after this many seconds; a run still going "
                         "then is stopped. Both are reported as failed. Default: no limit.")
     parser.add_argument("--output_dir", default="outputs/benchmark",
@@ -108,7 +115,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
     if "plain_pytorch" in wanted and (args.plain_reference not in args.table
                                       or "launcher" in args.table[args.plain_reference]):
         fail(f"--plain_reference {args.plain_reference} is not a single-process method")
-    args.methods = ["baseline"] + [m for m in dict.fromkeys(wanted) if m != "baseline"]
+    args.methods = ([] if args.no_baseline else ["baseline"]) + [m for m in dict.fromkeys(wanted)
+                                                                 if m != "baseline" or args.no_baseline]
     args.output_dir = os.path.abspath(args.output_dir)
     args.deadline = None if args.time_budget_s is None else time.monotonic() + args.time_budget_s
     return args
@@ -228,17 +236,19 @@ def run_once(args, method: str, repeat: int) -> dict:
         return {"error": "not started: the --time_budget_s is spent"}
     print(f"[{method} #{repeat + 1}] {shlex.join(cmd)}", flush=True)
     with open(os.path.join(run_dir, "log.txt"), "w", encoding="utf-8") as log:
-        returncode = run_logged(cmd, log, timeout)
-    rows = []
-    if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            rows = [r for r in map(json.loads, filter(str.strip, f)) if "tokens_per_second" in r]
+        done = (lambda: len(timed_rows(os.path.join(run_dir, "metrics.jsonl"))) == total // args.logging_steps) \
+            if args.stop_after_timed_steps else None
+        returncode = run_logged(cmd, log, timeout, done)
+    rows = timed_rows(os.path.join(run_dir, "metrics.jsonl"))
     for name in os.listdir(run_dir):  # keep the figures and the log, not the exported model
         if name not in ("metrics.jsonl", "all_results.json", "log.txt"):
             path = os.path.join(run_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     every = args.logging_steps
-    if returncode != 0 or len(rows) != total // every or "time" not in rows[-1]:
+    complete = len(rows) == total // every and "time" in rows[-1]
+    # Stopped after its last timed step (at --time_budget_s, or as asked): only the evaluation and export were cut.
+    tail_cut = returncode is None and complete and not args.stop_after_timed_steps
+    if not complete or returncode not in (0, None):
         with open(os.path.join(run_dir, "log.txt"), encoding="utf-8") as f:
             tail = f.read()[-1500:]
         status = f"stopped after {timeout:.0f} s (--time_budget_s)" if returncode is None else \
@@ -258,23 +268,44 @@ def run_once(args, method: str, repeat: int) -> dict:
             "samples_per_second": samples_per_step * args.timed_steps / seconds, "step_times": step_times,
             "mfu": time_weighted("mfu"), "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
             "peak_memory_reserved_bytes": max((r.get("peak_memory_reserved_bytes") or 0) for r in rows) or None,
-            "final_loss": rows[-1]["loss"]}
+            "final_loss": rows[-1]["loss"], "tail_cut": tail_cut}
 
 
-def run_logged(cmd: list[str], log, timeout: float | None) -> int | None:
-    """Run `cmd` with its output in `log`; its exit status, or None when it ran past `timeout` and was stopped.
+def timed_rows(path: str) -> list[dict]:
+    """The metrics rows of a run that carry a throughput (one per --logging_steps steps), as written so far (a line
+    still being written, or cut by a stop, is not one)."""
+    rows = []
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    return [r for r in rows if "tokens_per_second" in r]
 
-    With a timeout it gets its own process group, so that a launcher's workers (accelerate launch -> the script) stop
-    with it; without one it stays in ours (Ctrl-C reaches it).
+
+def run_logged(cmd: list[str], log, timeout: float | None, done=None) -> int | None:
+    """Run `cmd` with its output in `log`; its exit status, or None when it ran past `timeout`, or `done()` (asked
+    twice a second) said it has done what was needed, and it was stopped.
+
+    With a timeout or `done` it gets its own process group, so that a launcher's workers (accelerate launch -> the
+    script) stop with it; otherwise it stays in ours (Ctrl-C reaches it).
     """
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=timeout is not None,
+    group = timeout is not None or done is not None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=group,
                             env={"TOKENIZERS_PARALLELISM": "false", **os.environ})
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return None
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return proc.wait(timeout=None if done is None and left == math.inf else max(min(left, 0.5), 0))
+        except subprocess.TimeoutExpired:
+            if left <= 0 or (done is not None and done()):
+                break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return None
 
 
 def flag_value(cmd: list[str], flag: str, default: int = 1) -> int:
@@ -288,7 +319,8 @@ def flag_value(cmd: list[str], flag: str, default: int = 1) -> int:
     return value
 
 
-def run_all(args) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]]:
+def run_all(args, done: tuple[str, ...] = ()) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]]:
+    """Each method's runs; `done`: methods the caller already ran (the plain loop's reference is not run again)."""
     runs, skipped, failed = {}, {}, {}
     order = [m for m in args.methods if m != "plain_pytorch"]
     for m in args.methods:
@@ -297,9 +329,10 @@ def run_all(args) -> tuple[dict[str, list[dict]], dict[str, str], dict[str, str]
         if reason:
             skipped[m] = reason
     if "plain_pytorch" in args.methods and "plain_pytorch" not in skipped:
-        if args.plain_reference not in order:
+        if args.plain_reference not in order and args.plain_reference not in done:
             order.append(args.plain_reference)
-        order.insert(order.index(args.plain_reference) + 1, "plain_pytorch")
+        order.insert(order.index(args.plain_reference) + 1 if args.plain_reference in order else len(order),
+                     "plain_pytorch")
     order = [m for m in order if m not in skipped]
     for repeat in range(args.repeats):
         this = list(order)
@@ -335,15 +368,16 @@ def summarise(args, runs: dict[str, list[dict]], env: dict) -> list[dict]:
             "peak_memory_bytes": med("peak_memory_bytes"),
             "peak_memory_reserved_bytes": med("peak_memory_reserved_bytes"),
             "mfu": med("mfu"), "final_loss": med("final_loss"), "repeats": len(results),
+            "tail_cut": any(r.get("tail_cut") for r in results),
             "setup": {"model_preset": args.model_preset, "seq_len": args.seq_len, "warm_steps": args.warm_steps,
                       "timed_steps": args.timed_steps, "per_device_train_batch_size": args.per_device_train_batch_size,
                       "script_args": args.script_args},
             "environment": env,
         })
-    base = next(r for r in rows if r["method"] == "baseline")
+    base = next((r for r in rows if r["method"] == "baseline"), None)  # None: run without it (--no_baseline)
     for r in rows:
-        r["speed_vs_baseline"] = r["tokens_per_second"] / base["tokens_per_second"]
-        r["memory_vs_baseline"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
+        r["speed_vs_baseline"] = r["tokens_per_second"] / base["tokens_per_second"] if base else None
+        r["memory_vs_baseline"] = r["peak_memory_bytes"] / base["peak_memory_bytes"] if base else None
     plain = next((r for r in rows if r["method"] == "plain_pytorch"), None)
     ours = next((r for r in rows if r["method"] == args.plain_reference), None)
     for r in rows if plain else []:  # each repeat's runs are one round: a ratio per round, their median
@@ -383,12 +417,14 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
         runs = r["tokens_per_second_runs"]
         spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        speed, memory = (f"{x:.2f}x" if x is not None else "-" for x in (r["speed_vs_baseline"],
+                                                                         r["memory_vs_baseline"]))
         lines.append(f"| {r['method']} | `{' '.join(r['flags'])}` | {r['tokens_per_second']:,.0f}{spread} | "
-                     f"{r['samples_per_second']:.2f} | {r['speed_vs_baseline']:.2f}x | "
+                     f"{r['samples_per_second']:.2f} | {speed} | "
                      f"{1e3 * r['step_time_median_s']:.0f} [{1e3 * r['step_time_p25_s']:.0f}-"
                      f"{1e3 * r['step_time_p75_s']:.0f}] {1e3 * r['step_time_min_s']:.0f} | "
                      f"{r['peak_memory_bytes'] / 2**20:,.0f} | "
-                     f"{r['memory_vs_baseline']:.2f}x | {mfu} | {r['final_loss']:.5f} |")
+                     f"{memory} | {mfu} | {r['final_loss']:.5f} |")
     lines += ["", "tokens/s in parentheses: lowest-highest over runs. Peak memory: GPU `max_memory_allocated` on a GPU "
               "(reserved in results.json), the process's peak resident set size on a CPU (it includes Python, "
               "libraries and data preparation, so CPU memory ratios understate the techniques' savings)."]
@@ -406,6 +442,10 @@ def write_markdown(path: str, rows: list[dict], env: dict, skipped: dict, failed
                           f"`{r['method']}` **{r['over_plain_median_of_rounds']:.3f}x** "
                           f"({min(r['over_plain_rounds']):.3f}-{max(r['over_plain_rounds']):.3f})" for r in rounds)
                       + "."]
+    cut = [r["method"] for r in rows if r.get("tail_cut")]
+    if cut:
+        lines += ["", "Stopped at --time_budget_s after their timed steps (the untimed evaluation and export cut): "
+                  + ", ".join(cut) + "."]
     if skipped:
         reasons = {}
         for method, why in skipped.items():
@@ -453,13 +493,16 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     env = environment(sys.argv[1:])
     runs, skipped, failed = run_all(args)
-    if "baseline" not in runs:
+    if "baseline" in args.methods and "baseline" not in runs:
         fail(f"the baseline run failed, nothing to compare with:\n{failed.get('baseline', '')}")
+    if not runs:
+        fail("no method ran: " + "; ".join(f"{m}: {why.splitlines()[0]}" for m, why in {**skipped, **failed}.items()))
     rows = summarise(args, runs, env)
     with open(os.path.join(args.output_dir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=2)
     write_markdown(os.path.join(args.output_dir, "results.md"), rows, env, skipped, failed, args)
-    write_chart(os.path.join(args.output_dir, "results.png"), rows, env, args)
+    if "baseline" in runs:  # the chart's bars are ratios against it
+        write_chart(os.path.join(args.output_dir, "results.png"), rows, env, args)
     with open(os.path.join(args.output_dir, "results.md"), encoding="utf-8") as f:
         print(f.read())
     if failed:

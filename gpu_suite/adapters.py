@@ -15,6 +15,7 @@ import torch
 from benchmarks import benchmark
 from common.inputs.modeling import LLAMA_PRESETS
 from gpu_suite.data import WORDS, write_jsonl
+from gpu_suite.performance import headline_run_flags, tail_note
 from gpu_suite.suite import FAIL, PASS, SFT, Outcome, Row, Suite
 from tools import estimate_memory
 
@@ -70,6 +71,9 @@ def run(suite: Suite, method: str) -> dict:
             "--model_name_or_path", paths["model"], "--train_file", paths["train"], "--validation_file",
             paths["validation"], "--bf16", "--gradient_checkpointing", "--learning_rate", "2e-4",
             "--max_eval_samples", "2", "--cache_dir", os.path.join(suite.work, "cache")]
+    argv[:0] = headline_run_flags(suite)
+    if suite.seconds_left() < math.inf:  # the part's budget, or the headline row's cap
+        argv[:0] = ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     try:
         args = benchmark.parse_args(argv)
     except SystemExit as e:
@@ -99,7 +103,7 @@ def adapter_row(method: str) -> Row:
                                          "final_loss")}
         if not all(math.isfinite(result[k]) for k in ("tokens_per_second", "final_loss")):
             return Outcome(FAIL, f"non-finite figures {detail}", detail)
-        figure = f"{result['tokens_per_second']:,.0f} tok/s"
+        figure = f"{result['tokens_per_second']:,.0f} tok/s" + tail_note(result)
         if not suite.cuda:
             return Outcome(PASS, figure + f", peak RSS {result['peak_memory_bytes'] / 2**20:,.0f} MiB (tiny preset on "
                            "a CPU: no figure to compare)", detail)

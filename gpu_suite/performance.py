@@ -11,6 +11,7 @@ import sys
 import torch
 
 from benchmarks import benchmark
+from common.features import chunked_loss
 from common.inputs.modeling import LLAMA_PRESETS
 from gpu_suite.suite import CONFIGS, FAIL, PASS, Outcome, Row, Suite
 from tools import estimate_memory
@@ -23,7 +24,10 @@ PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile"
                 "perf_bf16_compile_chunked": "bf16_compile_chunked",
                 "perf_mfu_goal": "bf16_compile"}
 # Long-context rows: each activation-memory mode at `long_seq` tokens, bf16 with the chunked loss (the logits of a
-# long sequence would dominate otherwise): peak memory and tokens/s per mode.
+# long sequence would dominate otherwise): peak memory and tokens/s per mode. Where torch has no
+# F.linear_cross_entropy (before 2.13; the lent GPU machine's 2.11) they compute full logits instead, and say so.
+FULL_LOGITS = None if chunked_loss.OPTIONS is not None else \
+    f"torch {torch.__version__} has no F.linear_cross_entropy, which --chunked_cross_entropy needs"
 LONG_METHODS = {"perf_long_none": "long_none", "perf_long_every2": "long_every2", "perf_long_op": "long_op",
                 "perf_long_full": "long_full", "perf_long_offload": "long_offload"}
 # benchmark method -> (estimate_memory row flags, activation checkpointing, chunked logits); fp8 is estimated as bf16
@@ -47,7 +51,7 @@ def perf_extra_methods(cuda: bool) -> dict[str, dict]:
     fused = ["--optim", "adamw_torch_fused"] if cuda else []
     fp8_launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                     os.path.join(CONFIGS, "fp8.yaml"), "--num_processes", "1"]
-    long_flags = ["--bf16", "--chunked_cross_entropy"] + fused
+    long_flags = ["--bf16"] + ([] if FULL_LOGITS else ["--chunked_cross_entropy"]) + fused
     return {
         "long_none": {"flags": long_flags},
         "long_every2": {"flags": long_flags + ["--selective_ac_option", "2"]},
@@ -97,46 +101,78 @@ def largest_fitting_presets(gpu_bytes: float, host_bytes: float, seq: int, batch
     return result
 
 
-def run_benchmark(suite: Suite, long_context: bool = False) -> dict:
-    """One benchmark.py run of every planned perf method (or long-context method, at `long_seq` tokens, one sequence
-    per step); {"rows": {method: row}, "failed": {...}, "markdown": ...}."""
+def benchmark_argv(suite: Suite, methods: list[str], long_context: bool) -> list[str]:
+    """benchmark.py's command line for `methods` of the suite's perf (or long-context) benchmark."""
     s = suite.settings
-    table = LONG_METHODS if long_context else PERF_METHODS
-    methods = sorted({table[name] for name in suite.planned if name in table})
     seq, batch = (s.long_seq, 1) if long_context else (s.perf_seq, s.perf_batch)
-    argv = ["--methods", ",".join(methods), "--model_preset", s.perf_preset, "--seq_len", str(seq),
+    argv = ["--no_baseline", "--methods", ",".join(methods), "--model_preset", s.perf_preset, "--seq_len", str(seq),
             "--per_device_train_batch_size", str(batch), "--warm_steps", str(s.warm_steps), "--timed_steps",
             str(s.timed_steps), "--output_dir", os.path.join(suite.work, "long" if long_context else "benchmark")]
     if not long_context:
         argv = ["--plain_reference", "bf16_compile"] + argv
-    if suite.deadline is not None:
+    argv += headline_run_flags(suite)
+    if suite.seconds_left() < math.inf:
         argv += ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     argv += ["--", "--cache_dir", os.path.join(suite.work, "cache"), "--tokenizer_vocab_size", str(s.perf_vocab)]
     if not suite.cuda:  # the tiny dry run trains on the suite's small corpus; the GPU on the embedded default one
         argv += ["--train_file", suite.data["train"], "--validation_file", suite.data["validation"]]
+    return argv
+
+
+def run_benchmark(suite: Suite, long_context: bool = False, methods: list[str] | None = None) -> dict:
+    """benchmark.py's runs of `methods` (default: every planned perf method, or long-context method at `long_seq`
+    tokens, one sequence per step), added to those this suite's benchmark ran before; over all of them
+    {"rows": {method: row}, "failed": {method: why}, "markdown": ...}. The fp32 baseline runs only as its own row."""
+    state = suite.memo("long" if long_context else "benchmark",
+                       lambda: {"runs": {}, "failed": {}, "skipped": {}, "rows": {}, "markdown": ""})
+    table = LONG_METHODS if long_context else PERF_METHODS
+    methods = methods or sorted({table[name] for name in suite.planned if name in table},
+                                key=lambda m: (m != "baseline", m))
+    tried = [*state["runs"], *state["failed"], *state["skipped"]]
+    new = [m for m in methods if m not in tried]
+    if not new:
+        return state
+    argv = benchmark_argv(suite, new, long_context)
     try:
         args = benchmark.parse_args(argv, extra_methods=perf_extra_methods(suite.cuda))
     except SystemExit as e:
-        return {"rows": {}, "failed": {m: f"benchmark.py refused its arguments (exit {e.code})" for m in methods}}
+        state["failed"].update({m: f"benchmark.py refused its arguments (exit {e.code})" for m in new})
+        return state
     os.makedirs(args.output_dir, exist_ok=True)
-    env = benchmark.environment(argv)
-    env["command"] = "python benchmarks/benchmark.py " + shlex.join(argv)  # what this run is equivalent to
     usable = os.sched_getaffinity(0)
     if not suite.cuda:  # on a CPU its runs inherit one core (steadier figures: README, Benchmarks)
         os.sched_setaffinity(0, {min(usable)})
     try:
-        runs, skipped, failed = benchmark.run_all(args)
+        runs, skipped, failed = benchmark.run_all(args, done=tuple(tried))
     finally:
         os.sched_setaffinity(0, usable)
-    failed.update({m: f"not run: {why}" for m, why in skipped.items()})
-    if "baseline" not in runs:
-        return {"rows": {}, "failed": {m: failed.get(m, "the baseline run failed") for m in methods}}
-    rows = benchmark.summarise(args, runs, env)
-    md = os.path.join(args.output_dir, "results.md")
-    benchmark.write_markdown(md, rows, env, skipped, failed, args)
-    with open(md, encoding="utf-8") as f:  # its title one level under the suite's section
-        markdown = f.read().replace("# Benchmark:", "### Benchmark:", 1)
-    return {"rows": {r["method"]: r for r in rows}, "failed": failed, "markdown": markdown}
+    for key, value in (("runs", runs), ("skipped", skipped), ("failed", failed)):
+        state[key].update(value)
+    if state["runs"]:
+        env = benchmark.environment(argv)  # the command this benchmark's runs so far are equivalent to
+        env["command"] = "python benchmarks/benchmark.py " + shlex.join(
+            benchmark_argv(suite, list(dict.fromkeys(tried + new)), long_context))
+        state["rows"] = {r["method"]: r for r in benchmark.summarise(args, state["runs"], env)}
+        md = os.path.join(args.output_dir, "results.md")
+        benchmark.write_markdown(md, list(state["rows"].values()), env, state["skipped"], state["failed"], args)
+        with open(md, encoding="utf-8") as f:  # its title one level under the suite's section
+            state["markdown"] = f.read().replace("# Benchmark:", "### Benchmark:", 1)
+    return state
+
+
+def headline_run_flags(suite: Suite) -> list[str]:
+    """The headline part does not wait for a run's evaluation and export once its timed steps are logged."""
+    return ["--stop_after_timed_steps"] if suite.args.part == "headline" else []
+
+
+def tail_note(result: dict) -> str:
+    """Said of a run stopped at its cap or the budget after its timed steps (its figures are whole)."""
+    return "; stopped after its timed steps (evaluation and export cut)" if result.get("tail_cut") else ""
+
+
+def one_method(suite: Suite, method: str) -> list[str] | None:
+    """The headline part runs (and saves) one method per row; part 2 runs all its planned methods at its first row."""
+    return [method] if suite.args.part == "headline" else None
 
 
 def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[str, ...] = ()) -> Row:
@@ -144,10 +180,11 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
     method = (LONG_METHODS if long_context else PERF_METHODS)[name]
 
     def check(suite: Suite) -> Outcome:
-        result = suite.memo("long" if long_context else "benchmark", lambda: run_benchmark(suite, long_context))
+        result = run_benchmark(suite, long_context, one_method(suite, method))
         row = result["rows"].get(method)
         if row is None:
-            return Outcome(FAIL, result["failed"].get(method, "no result").splitlines()[0][:240])
+            why = result["failed"].get(method) or "not run: " + result["skipped"].get(method, "no result")
+            return Outcome(FAIL, why.splitlines()[0][:240])
         detail = {k: row[k] for k in ("tokens_per_second", "mfu", "peak_memory_bytes", "peak_memory_reserved_bytes",
                                       "final_loss", "step_time_median_s", "speed_vs_baseline")}
         if not all(math.isfinite(row[k]) for k in ("tokens_per_second", "final_loss")):
@@ -155,8 +192,14 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
         figure = f"{row['tokens_per_second']:,.0f} tok/s"
         if row["mfu"] is not None:
             figure += f", MFU {row['mfu']:.1%}"
-        figure += memory_figure(suite, method, row, detail)
+        figure += memory_figure(suite, method, row, detail) + tail_note(row)
+        if long_context:
+            detail["logits"] = "full" if FULL_LOGITS else "chunked"
+            figure += f"; full logits ({FULL_LOGITS})" if FULL_LOGITS else "; chunked loss"
         if method == "plain_pytorch":
+            if "ours_over_plain" not in row:
+                why = (result["failed"].get("bf16_compile") or "not run").splitlines()[0][:160]
+                return Outcome(FAIL, f"no ratio: bf16_compile has no run ({why}); plain: {figure}", detail)
             detail["ours_over_plain"] = row["ours_over_plain"]
             figure = f"ours / plain loop {row['ours_over_plain']:.3f}x (bf16_compile flags); plain: {figure}"
         return Outcome(PASS, figure, detail)
@@ -179,7 +222,7 @@ def memory_figure(suite: Suite, method: str, row: dict, detail: dict) -> str:
 
 
 def check_mfu_goal(suite: Suite) -> Outcome:
-    result = suite.memo("benchmark", lambda: run_benchmark(suite))
+    result = run_benchmark(suite, methods=one_method(suite, "bf16_compile"))
     row = result["rows"].get("bf16_compile")
     if row is None or row["mfu"] is None:
         return Outcome(FAIL, "no bf16_compile MFU: " + result["failed"].get("bf16_compile", "unknown GPU")[:200])
@@ -208,7 +251,8 @@ def part2_rows() -> list[Row]:
                  needs=("torchao",)),
         perf_row("perf_bf16_compile_8bit", "bf16 + --torch_compile + 8-bit AdamW", needs=("bitsandbytes",)),
         perf_row("perf_bf16_compile_chunked", "bf16 + --torch_compile + fused AdamW + --chunked_cross_entropy"),
-        perf_row("perf_long_none", "long context: bf16 + --chunked_cross_entropy, no checkpointing"),
+        perf_row("perf_long_none", "long context: bf16 + --chunked_cross_entropy (full logits on a torch without "
+                 "F.linear_cross_entropy), no checkpointing"),
         perf_row("perf_long_every2", "long context: the same + --selective_ac_option 2 (every 2nd layer)"),
         perf_row("perf_long_op", "long context: the same + --selective_ac_option op (matmul outputs kept)"),
         perf_row("perf_long_full", "long context: the same + --gradient_checkpointing (every layer)"),

@@ -17,18 +17,25 @@ def summary_table(results: list[dict], title: str, footer: str) -> list[str]:
     return lines
 
 
+def part_label(part: str) -> str:
+    return "headline part" if part == "headline" else f"part {part}"
+
+
 def write_results(suite: Suite, results: list[dict], env: dict, seconds: float) -> list[str]:
-    """<results_dir>/gpu-suite[-dry-run]-<date>-part<N>.{json,md}, and in `--copy_to` with a tarball of the
-    runs' logs."""
+    """<results_dir>/gpu-suite[-dry-run]-<date>-part<N>.{json,md} (`-headline` for that part), and in `--copy_to`
+    with a tarball of the runs' logs. Each file is written under a temporary name and renamed: it is whole or old."""
     args = suite.args
-    stem = f"gpu-suite{'-dry-run' if args.dry_run else ''}-{env['date'][:10]}-part{args.part}"
-    benchmark_result = suite.memoized("benchmark") or {}
+    part = "headline" if args.part == "headline" else f"part{args.part}"
+    stem = f"gpu-suite{'-dry-run' if args.dry_run else ''}-{env['date'][:10]}-{part}"
+    benchmark_result, long_result = suite.memoized("benchmark") or {}, suite.memoized("long") or {}
     record = {"suite": "gpu_suite", "dry_run": args.dry_run, "part": args.part,
               "device": "CPU (dry run: CUDA-only rows are SKIP)" if args.dry_run else env["machine"]["gpu"],
               "seconds": round(seconds, 1), "settings": vars(suite.settings), "environment": env, "rows": results,
-              "performance": list(benchmark_result.get("rows", {}).values())}
-    title = (f"# GPU suite, part {args.part}" + (" — DRY RUN on a CPU (tiny preset, CUDA-only rows SKIP; not a GPU "
-                                                 "result)" if args.dry_run else f" — {env['machine']['gpu']}"))
+              "performance": list(benchmark_result.get("rows", {}).values()),
+              "long_context": list(long_result.get("rows", {}).values())}
+    title = (f"# GPU suite, {part_label(args.part)}" + (" — DRY RUN on a CPU (tiny preset, CUDA-only rows SKIP; not "
+                                                        "a GPU result)" if args.dry_run else
+                                                        f" — {env['machine']['gpu']}"))
     m = env["machine"]
     md = [title, "", f"- Date: {env['date']}; commit {env['git_commit']}; {seconds:.0f} s",
           f"- Machine: {m['cpu']}, {m['cpu_cores']} cores, {m['memory_gib']} GiB RAM, "
@@ -38,19 +45,23 @@ def write_results(suite: Suite, results: list[dict], env: dict, seconds: float) 
     md += summary_table(results, "## Summary", "")[2:]
     md += ["", "## Rows", ""] + [f"- **{r['name']}** ({r['status']}, {r['seconds']} s): {r['what']}. {r['figure']}"
                                  for r in results]
-    if benchmark_result.get("markdown"):
-        md += ["", "## Performance (benchmarks/benchmark.py)", "", benchmark_result["markdown"]]
+    for heading, result in (("Performance", benchmark_result), ("Long context", long_result)):
+        if result.get("markdown"):
+            md += ["", f"## {heading} (benchmarks/benchmark.py)", "", result["markdown"]]
     paths = []
     folders = [args.results_dir] + ([args.copy_to] if args.copy_to else [])
     for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
         os.makedirs(folder, exist_ok=True)
         for ext, text in (("json", json.dumps(record, indent=2, default=str)), ("md", "\n".join(md) + "\n")):
             paths.append(os.path.join(folder, f"{stem}.{ext}"))
-            with open(paths[-1], "w", encoding="utf-8") as f:
+            with open(paths[-1] + ".tmp", "w", encoding="utf-8") as f:
                 f.write(text)
+            os.replace(paths[-1] + ".tmp", paths[-1])
     if args.copy_to:
-        with tarfile.open(os.path.join(args.copy_to, f"{stem}-logs.tar.gz"), "w:gz") as tar:
-            for folder in ("logs", "benchmark/runs"):
+        tarball = os.path.join(args.copy_to, f"{stem}-logs.tar.gz")
+        with tarfile.open(tarball + ".tmp", "w:gz") as tar:
+            for folder in ("logs", "benchmark/runs", "long/runs", "benchmark-adapters/runs"):
                 if os.path.isdir(os.path.join(suite.work, folder)):
                     tar.add(os.path.join(suite.work, folder), arcname=folder)
+        os.replace(tarball + ".tmp", tarball)
     return paths

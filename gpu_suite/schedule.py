@@ -5,11 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 import fnmatch
 import importlib.util
+import threading
 import time
+from typing import Callable
 
 import torch
 
 from gpu_suite.data import prepare_data
+from gpu_suite.headline import CAPS_S
 from gpu_suite.suite import FAIL, SKIP, Outcome, Row, Suite
 
 
@@ -38,18 +41,27 @@ def precheck(suite: Suite, row: Row) -> Outcome | None:
     return None
 
 
-def run_row(suite: Suite, row: Row) -> Outcome:
+def run_row(suite: Suite, row: Row, cap_s: float | None = None) -> Outcome:
+    """The row's check; `cap_s`: stop its runs after that many seconds (the part's budget still applies)."""
     if suite.seconds_left() < 5:
         return Outcome(SKIP, f"not started: the part's time budget ({suite.args.budget_s:.0f} s) is spent")
+    suite.row_deadline = None if cap_s is None else time.monotonic() + cap_s
     try:
         return row.check(suite)
     except Exception as e:  # noqa: BLE001 - a broken check is a failed row, not a crashed suite
         return Outcome(FAIL, f"the check raised {type(e).__name__}: {str(e)[:200]}")
+    finally:
+        suite.row_deadline = None
 
 
-def run_rows(suite: Suite, rows: list[Row]) -> list[dict]:
-    """Prechecks first (they decide the data and the benchmark's methods), then the runnable rows on `--jobs`
-    threads: part 1's short runs overlap on a GPU; the reference run goes first, part 2 runs alone."""
+NOT_REACHED = Outcome(SKIP, "not reached: the suite stopped before this row ended (results are written as rows end)")
+
+
+def run_rows(suite: Suite, rows: list[Row], on_result: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Prechecks first (they decide the data and the benchmark's methods), then the runnable rows: the headline part's
+    one at a time in its order, each under its cap (on a GPU); otherwise on `--jobs` threads: part 1's short runs
+    overlap on a GPU, the reference run goes first, part 2 runs alone. `on_result(results so far)` after each row
+    ends (rows still to come: NOT_REACHED)."""
     outcomes: dict[str, Outcome] = {}
     for row in rows:
         reason = precheck(suite, row)
@@ -60,26 +72,38 @@ def run_rows(suite: Suite, rows: list[Row]) -> list[dict]:
     prepare_data(suite)
     runnable = [row for row in rows if row.name in suite.planned]
     timings: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def results() -> list[dict]:
+        return [{"name": row.name, "part": row.part, "what": row.what,
+                 "status": outcomes.get(row.name, NOT_REACHED).status,
+                 "figure": outcomes.get(row.name, NOT_REACHED).figure, "cuda_only": row.cuda_only is not None,
+                 "seconds": round(timings.get(row.name, 0.0), 1),
+                 "detail": outcomes.get(row.name, NOT_REACHED).detail} for row in rows]
 
     def timed(row: Row) -> Outcome:
         began = time.monotonic()
         print(f"[gpu-suite] {row.name} ...", flush=True)
-        outcome = run_row(suite, row)
-        timings[row.name] = time.monotonic() - began
-        print(f"[gpu-suite] {row.name}: {outcome.status} ({timings[row.name]:.0f} s) {outcome.figure}", flush=True)
+        cap = CAPS_S[row.name] if suite.args.part == "headline" and suite.cuda else None
+        outcome = run_row(suite, row, cap)
+        with lock:
+            timings[row.name], outcomes[row.name] = time.monotonic() - began, outcome
+            print(f"[gpu-suite] {row.name}: {outcome.status} ({timings[row.name]:.0f} s) {outcome.figure}", flush=True)
+            if on_result:
+                on_result(results())
         return outcome
 
+    if suite.args.part == "headline":
+        for row in runnable:
+            timed(row)
+        return results()
     first = [row for row in runnable if row.name == "bf16"]
     for row in first:  # trains and caches the tokenizer and the tokenized corpus the other runs reuse
-        outcomes[row.name] = timed(row)
+        timed(row)
     parallel = sorted((row for row in runnable if row.part == 1 and row not in first), key=lambda row: not row.slow)
     with concurrent.futures.ThreadPoolExecutor(max_workers=suite.args.jobs) as pool:
-        for row, outcome in zip(parallel, pool.map(timed, parallel)):
-            outcomes[row.name] = outcome
+        list(pool.map(timed, parallel))
     for row in runnable:
         if row.part == 2:
-            outcomes[row.name] = timed(row)
-    return [{"name": row.name, "part": row.part, "what": row.what, "status": outcomes[row.name].status,
-             "figure": outcomes[row.name].figure, "cuda_only": row.cuda_only is not None,
-             "seconds": round(timings.get(row.name, 0.0), 1), "detail": outcomes[row.name].detail}
-            for row in rows]
+            timed(row)
+    return results()

@@ -88,7 +88,10 @@ class Suite:
         self.settings = settings_for(self.cuda)
         self.work = os.path.abspath(args.work_dir)
         self.deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-        self.runner = Runner(prefork=args.prefork == "yes" or (args.prefork == "auto" and not self.cuda), cwd=ROOT)
+        self.row_deadline: float | None = None  # the running row's cap (the headline part runs one row at a time)
+        # auto: on CPUs, where the suite's own runs (suite.train) are many; the headline part's are benchmark runs
+        prefork = args.prefork == "yes" or (args.prefork == "auto" and not self.cuda and args.part != "headline")
+        self.runner = Runner(prefork=prefork, cwd=ROOT)
         # On a CPU each run gets a core of its own (one row per core at a time); a GPU machine's runs are not pinned.
         self.cores: queue.Queue[int | None] = queue.Queue()
         for core in ([None] * args.jobs if self.cuda else sorted(os.sched_getaffinity(0))[:args.jobs]):
@@ -113,7 +116,9 @@ class Suite:
         return self._memo.get(key, default)
 
     def seconds_left(self) -> float:
-        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+        """Until the part's budget or the running row's cap, whichever comes first."""
+        deadlines = [d for d in (self.deadline, self.row_deadline) if d is not None]
+        return min(deadlines) - time.monotonic() if deadlines else math.inf
 
     def train(self, name: str, script: str, argv: list[str], config: str | None = None) -> Run:
         """Run a script (under `accelerate launch --config_file <config>` when given) into work/runs/<name>."""
@@ -137,7 +142,7 @@ class Suite:
                 metrics = [json.loads(line) for line in f if line.strip()]
         error = None
         if code is None:
-            error = f"stopped after {timeout:.0f} s (row timeout or the part's time budget)"
+            error = f"stopped after {timeout:.0f} s (row timeout, the row's cap or the part's time budget)"
         elif code != 0:
             error = f"exit status {code}: {last_log_line(log)}"
         return Run(out, log, seconds, metrics, error)

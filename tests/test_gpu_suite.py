@@ -10,6 +10,11 @@ tests/test_fsdp.py cover the engines on CPUs), perf_lora_8b as the adapters' ben
 --load_in_4bit; tests/test_lora.py covers QLoRA).
 The dry run goes through tools/lent_gpu.sh (the lent GPU machine's wrapper: with --dry-run it passes through to
 `python -m gpu_suite` and turns $OUT into --copy_to), so that the wrapper is proven with the suite.
+
+The headline part's dry run (about 20 s) runs as on the lent machine's torch 2.11, which has no F.linear_cross_entropy
+(the suite's process has it removed before it starts), its compiled rows and the rows another run covers left out:
+two long-context rows, which must then train with full logits and say so, and each row's result must be on disk
+before the next row ends.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -134,3 +140,64 @@ def test_a_gpu_part_on_a_cpu_is_refused_in_one_line(tmp_path):
                            "--results_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no CUDA GPU here")
     assert not os.listdir(tmp_path)
+
+
+HEADLINE_SKIPPED_HERE = ("perf_bf16_compile,perf_plain_loop,perf_lora_8b,perf_qlora_8b,perf_long_every2,perf_long_op,"
+                         "perf_long_offload")
+WITHOUT_CHUNKED_LOSS = ("import torch, torch.nn.functional as F; del F.linear_cross_entropy, "
+                        "torch.nn.LinearCrossEntropyOptions; import runpy; "
+                        "runpy.run_module('gpu_suite', run_name='__main__', alter_sys=True)")
+
+
+@pytest.fixture(scope="module")
+def headline_dry_run(tmp_path_factory):
+    """The headline dry run, and every state of its results file seen while it ran (read every 0.1 s)."""
+    d = tmp_path_factory.mktemp("headline")
+    with open(d / "stdout", "w") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WITHOUT_CHUNKED_LOSS, "--part", "headline", "--dry-run", "--skip",
+             HEADLINE_SKIPPED_HERE, "--work_dir", str(d / "work"), "--results_dir", str(d / "results"), "--copy_to",
+             str(d / "out")], cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+        seen, began = [], time.monotonic()
+        while proc.poll() is None and time.monotonic() - began < 600:
+            for path in (d / "out").glob("*-headline.json"):
+                statuses = {r["name"]: r["status"] + ": " + r["figure"] for r in json.loads(path.read_text())["rows"]}
+                if not seen or seen[-1] != statuses:
+                    seen.append(statuses)
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+    return proc.returncode, (d / "stdout").read_text(), d, seen
+
+
+def test_headline_rows_run_in_order_and_each_is_saved_before_the_next_ends(headline_dry_run):
+    from gpu_suite.headline import CAPS_S
+
+    returncode, stdout, d, seen = headline_dry_run
+    assert returncode == 0, stdout[-3000:]
+    rows = table(stdout)
+    rows.pop("total")
+    assert list(rows) == list(CAPS_S)  # the headline's order, nothing else
+    assert {name for name, (status, _) in rows.items() if status == "PASS"} == {"perf_long_none", "perf_long_full"}
+    for name in ("perf_mfu_goal", "fp8"):
+        assert rows[name][0] == "SKIP" and rows[name][1].startswith("CUDA only: ")
+    # while the second row ran, the file already held the first one's result (the rest: not reached yet)
+    assert any(s["perf_long_none"].startswith("PASS") and s["perf_long_full"].startswith("SKIP: not reached")
+               for s in seen), seen
+    for folder in ("results", "out"):
+        names = sorted(p.name for p in (d / folder).iterdir() if not p.name.endswith(".tar.gz"))
+        assert len(names) == 2 and all(re.fullmatch(r"gpu-suite-dry-run-[\d-]{10}-headline\.(json|md)", n)
+                                       for n in names), names
+
+
+def test_headline_long_rows_fall_back_to_full_logits_without_the_chunked_loss(headline_dry_run):
+    _, stdout, d, _ = headline_dry_run
+    rows = table(stdout)
+    record = json.loads(next((d / "out").glob("*-headline.json")).read_text())
+    runs = {r["method"]: r for r in record["long_context"]}
+    assert sorted(runs) == ["long_full", "long_none"]  # no baseline among them
+    for name, method in (("perf_long_none", "long_none"), ("perf_long_full", "long_full")):
+        assert "full logits (torch " in rows[name][1] and "has no F.linear_cross_entropy" in rows[name][1]
+        assert "--chunked_cross_entropy" not in runs[method]["flags"] and "--bf16" in runs[method]["flags"]
+        assert math.isfinite(runs[method]["final_loss"]) and runs[method]["tokens_per_second"] > 0
+    assert next(r for r in record["rows"] if r["name"] == "perf_long_none")["detail"]["logits"] == "full"
