@@ -35,6 +35,7 @@ from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, pe
 from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
                                     load_config)
 from common.optim import create_optimizer
+from common.features.compile import add_compile_args, check_compile_flags, compile_model
 from common.features.cpu_threads import use_all_cores
 from common.flags import check_common_flags
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(parser, PRESETS)
     add_data_args(parser)
     add_training_args(parser)
+    add_compile_args(parser)
     g = parser.add_argument_group("pretraining (as scripts/pretrain_llama.py)")
     g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
     g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="Vocabulary of a tokenizer trained here.")
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Ignored (no sample here).")
     args = parser.parse_args(argv)
     check_common_flags(args)
+    check_compile_flags(args)
     check_data_files(args.train_file, args.validation_file)
     if args.streaming:
         fail("--streaming is a scripts/pretrain_llama.py feature; this reference loop reads the map-style corpus")
@@ -95,8 +98,8 @@ def main() -> None:
         else {}
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=total_steps, **extra)
-    if args.torch_compile:
-        model = torch.compile(model)
+    if args.torch_compile:  # the recipe's compilation: each decoder layer once (or the whole model, flagged)
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
