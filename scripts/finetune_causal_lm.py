@@ -46,6 +46,7 @@ from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
+from common.inputs.cache import cached_folder
 from common.inputs.data import build_default_corpus, check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
@@ -433,10 +434,12 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
     the same standard-library sources (and train/validation split) as the pretraining default corpus."""
     corpus = build_default_corpus(cache_dir)
     out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
+    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task")
+    return tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
+
+
+def write_docstring_task(corpus: dict[str, str], out_dir: str) -> None:
     paths = tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
-    if all(os.path.isfile(p) for p in paths):
-        return paths
-    os.makedirs(out_dir, exist_ok=True)
     for split, path in zip(("train", "validation"), paths):
         rows = []
         with open(corpus[split], encoding="utf-8") as f:
@@ -454,10 +457,8 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
                         cut = node.body[0].end_lineno - node.lineno + 1  # lines through the docstring
                         rows.append(json.dumps({"prompt": "".join(function[:cut]),
                                                 "completion": "".join(function[cut:])}))
-        with open(path + ".tmp", "w", encoding="utf-8") as f:  # write then rename: never half a file
+        with open(path, "w", encoding="utf-8") as f:  # into the entry's temporary folder (common/inputs/cache.py)
             f.write("\n".join(rows) + "\n")
-        os.replace(path + ".tmp", path)
-    return paths
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""Adversarial inputs and faults a new user meets: caches killed or starved mid-write, a base model edited in the
+middle, truncated weight files, misused tools, a quiet default start (docs/tests.md lists the probes)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from conftest import ROOT, run_script
+
+from common.inputs.cache import MANIFEST, cached_folder, entry_problem
+
+
+def forked(function) -> int:
+    """Run `function()` in a forked child; its exit status (the negative signal number when killed)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            function()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+# ---- caches: written whole or not at all ------------------------------------------------------------------------
+def tokenizer_args(tmp_path) -> argparse.Namespace:
+    return argparse.Namespace(tokenizer_name=None, model_name_or_path=None, cache_dir=str(tmp_path / "cache"),
+                              text_column="text")
+
+
+def tiny_raw():
+    from datasets import Dataset, DatasetDict
+
+    words = "the model reads tokens and learns to predict the next one".split()
+    rows = [" ".join(words[i % 7:] + words[:i % 5]) for i in range(200)]
+    return DatasetDict(train=Dataset.from_dict({"text": rows}))
+
+
+def test_a_tokenizer_cache_killed_while_written_is_rebuilt_whole(tmp_path, monkeypatch):
+    """SIGKILL while tokenizer.json is being written (half of it on disk): the old cache kept the half file under its
+    final name and every later run on the data stopped with a JSONDecodeError. Now the next run gets a tokenizer
+    identical to one trained without the kill."""
+    from common.inputs import data
+
+    args, raw = tokenizer_args(tmp_path), tiny_raw()
+    no_accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext)
+    train = data.train_bpe_tokenizer
+
+    def killed_while_saving(texts, vocab_size):
+        tokenizer = train(texts, vocab_size)
+
+        def save_pretrained(path):
+            tokenizer.__class__.save_pretrained(tokenizer, path)
+            written = os.path.join(path, "tokenizer.json")
+            os.truncate(written, os.path.getsize(written) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        tokenizer.save_pretrained = save_pretrained
+        return tokenizer
+
+    def run_killed():
+        monkeypatch.setattr(data, "train_bpe_tokenizer", killed_while_saving)
+        data.get_tokenizer(args, no_accelerator, raw, None, vocab_size=300)
+
+    assert forked(run_killed) == -signal.SIGKILL
+    tokenizer = data.get_tokenizer(args, no_accelerator, raw, None, vocab_size=300)
+    fresh = train((r for r in raw["train"]["text"]), 300)
+    assert tokenizer.get_vocab() == fresh.get_vocab() and len(tokenizer) == len(fresh)
+    assert [name for name in os.listdir(args.cache_dir) if ".tmp-" in name] == []
+
+
+def test_a_damaged_cache_entry_is_rebuilt_and_said_in_one_line(tmp_path, caplog):
+    """A cache entry damaged after it was written (a file cut short) or left by a version without a manifest is set
+    aside and rebuilt, with one log line naming it; never read as it is."""
+    path, builds = str(tmp_path / "entry"), []
+
+    def build(folder):
+        builds.append(folder)
+        with open(os.path.join(folder, "rows.jsonl"), "w") as f:
+            f.write("".join(json.dumps({"i": i}) + "\n" for i in range(1000)))
+
+    cached_folder(path, build, "rows")
+    assert cached_folder(path, build, "rows") == path and len(builds) == 1  # a whole entry is reused
+    for damage in ("cut", "no manifest"):
+        if damage == "cut":
+            os.truncate(os.path.join(path, "rows.jsonl"), 100)
+        else:
+            os.remove(os.path.join(path, MANIFEST))
+        caplog.clear()
+        cached_folder(path, build, "rows")
+        assert entry_problem(path) is None and len(builds) == 2 + (damage != "cut")
+        said = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith(f"cache entry {path} is damaged"), said
+
+
+def test_two_runs_building_one_entry_both_end_with_a_whole_one(tmp_path):
+    """Two processes build the same entry at once, each writing its own content slowly: both return, and the entry is
+    wholly one of the two builds (the old caches wrote one shared `.tmp` name: interleaved writes)."""
+    path = str(tmp_path / "entry")
+
+    def build(folder):
+        with open(os.path.join(folder, "data.txt"), "w") as f:
+            for _ in range(20):
+                f.write(f"{os.getpid()}\n" * 100)
+                f.flush()
+                time.sleep(0.005)
+
+    def run():
+        with open(os.path.join(cached_folder(path, build, "data"), "data.txt")) as f:
+            os._exit(0 if len(set(f.read().split())) == 1 else 1)
+
+    pids = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                run()
+            finally:
+                os._exit(3)
+        pids.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids] == [0, 0]
+    assert entry_problem(path) is None and os.listdir(tmp_path) == ["entry"]
+
+
+def test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    """ENOSPC while an entry is written: one `error:` line naming the cache entry, no entry, no temporary folder."""
+    path = str(tmp_path / "entry")
+
+    def build(folder):
+        with open(os.path.join(folder, "data.txt"), "w") as f:
+            f.write("x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(SystemExit) as stopped:
+        cached_folder(path, build, "the default corpus")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and lines == [
+        f"error: the default corpus could not be written to the cache ({path}): No space left on device; free some "
+        "space or choose another --cache_dir"]
+    assert os.listdir(tmp_path) == []
