@@ -149,3 +149,64 @@ def test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing(tmp_path, ca
         f"error: the default corpus could not be written to the cache ({path}): No space left on device; free some "
         "space or choose another --cache_dir"]
     assert os.listdir(tmp_path) == []
+
+
+# ---- a model folder that cannot load: one line before any data is read --------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A saved tiny Llama with its tokenizer (4.6 MB of weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.inputs.data import train_bpe_tokenizer
+    from common.inputs.modeling import LLAMA_PRESETS
+
+    path = str(tmp_path_factory.mktemp("tiny_model"))
+    tokenizer = train_bpe_tokenizer(["the model reads tokens and learns"] * 50, 300)
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA_PRESETS["tiny"], "vocab_size": 512})).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def broken_copy(source: str, target, damage: str) -> str:
+    import shutil
+
+    shutil.copytree(source, target)
+    if damage == "cut":
+        weights = os.path.join(target, "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) - 1000)
+    else:
+        for name in os.listdir(target):
+            if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+                os.remove(os.path.join(target, name))
+    return str(target)
+
+
+@pytest.mark.parametrize("damage", ["cut", "no tokenizer"])
+@pytest.mark.parametrize("script", ["pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py"])
+def test_a_model_folder_that_cannot_load_is_one_line_before_the_data(script, damage, tiny_model, corpus, tmp_path):
+    """A truncated model.safetensors gave a SafetensorError traceback, a folder without tokenizer files "Couldn't
+    instantiate the backend tokenizer": both after the data was loaded and tokenized. Now one line names the file or
+    folder, and no data was read (the output folder was never created)."""
+    model = broken_copy(tiny_model, tmp_path / "model", damage)
+    out = tmp_path / "out"
+    proc = run_script(script, "--model_name_or_path", model, "--train_file", corpus["train"], "--validation_file",
+                      corpus["validation"], "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
+                      check=False)
+    lines = proc.stderr.strip().splitlines()
+    expected = (f"error: --model_name_or_path {model}: {model}/model.safetensors is cut short (4," if damage == "cut"
+                else f"error: --model_name_or_path {model}: the folder holds no tokenizer (none of tokenizer.json")
+    assert proc.returncode == 2 and lines[-1].startswith(expected), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_data_error_in_an_existing_output_dir_leaves_no_lock(corpus, tmp_path):
+    """An output folder that holds a file already, and a data file with a row lacking its text: the run stops with
+    one line and the folder holds what it held (the lock file used to stay: the folder was not empty)."""
+    out, data = tmp_path / "out", tmp_path / "rows.jsonl"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    data.write_text((json.dumps({"body": "no text column"}) + "\n") * 10)
+    proc = run_script("pretrain_llama.py", "--train_file", str(data), "--output_dir", str(out), "--cache_dir",
+                      str(tmp_path / "cache"), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no column 'text'")
+    assert os.listdir(out) == ["notes.txt"]
