@@ -210,3 +210,27 @@ def test_a_data_error_in_an_existing_output_dir_leaves_no_lock(corpus, tmp_path)
                       str(tmp_path / "cache"), check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no column 'text'")
     assert os.listdir(out) == ["notes.txt"]
+
+
+def test_the_base_fingerprint_tells_a_base_edited_in_the_middle(tiny_model, tmp_path):
+    """One byte changed in the middle of model.safetensors (same size, same header, same first and last MiB): the
+    fingerprint of the first and last MiB let a LoRA resume onto it pass with exit 0. The whole-file checksum tells
+    it; a copy elsewhere still matches, and a checkpoint that holds only the old fingerprint is compared by it."""
+    import shutil
+
+    from common.features.resume_guard import _differs, base_model_fingerprint
+
+    copy, edited = str(tmp_path / "copy"), str(tmp_path / "edited")
+    shutil.copytree(tiny_model, copy)
+    shutil.copytree(tiny_model, edited)
+    weights = os.path.join(edited, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    original, moved, changed = (base_model_fingerprint(p, None) for p in (tiny_model, copy, edited))
+    assert original["weights"] == changed["weights"]  # what the old fingerprint saw: nothing
+    assert _differs("base_model", original, changed, False) and not _differs("base_model", original, moved, False)
+    old_record = {k: v for k, v in original.items() if k != "weights_xxh3_64"}
+    assert not _differs("base_model", old_record, moved, False)
