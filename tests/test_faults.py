@@ -234,3 +234,57 @@ def test_the_base_fingerprint_tells_a_base_edited_in_the_middle(tiny_model, tmp_
     assert _differs("base_model", original, changed, False) and not _differs("base_model", original, moved, False)
     old_record = {k: v for k, v in original.items() if k != "weights_xxh3_64"}
     assert not _differs("base_model", old_record, moved, False)
+
+
+# ---- the tools: each misuse is one line -------------------------------------------------------------------------
+def stopped_with(capsys, run) -> str:
+    """The one line `run()` stops with (exit status 2, nothing else on stderr)."""
+    with pytest.raises(SystemExit) as stopped:
+        run()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_copy_recipe_misuse_is_one_line_and_never_strips_the_recipe(tmp_path, monkeypatch, capsys):
+    """The destination equal to the recipe stripped the recipe in place (exit 0); a missing recipe, an unwritable
+    destination and a non-Python file gave tracebacks."""
+    from tools import copy_recipe
+
+    recipe = tmp_path / "pretrain.py"
+    original = open(os.path.join(ROOT, "scripts", "pretrain_llama.py"), encoding="utf-8").read()
+    recipe.write_text(original, encoding="utf-8")
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cases = {(str(recipe), str(recipe)): "is the recipe itself",
+             (str(recipe), str(tmp_path / "." / "pretrain.py")): "is the recipe itself",
+             (str(tmp_path / "missing.py"), str(tmp_path / "copy.py")): "no such file",
+             (str(recipe), str(recipe / "copy.py")): "cannot write the copy",
+             (str(data), str(tmp_path / "copy.py")): "not a Python file"}
+    for (source, destination), said in cases.items():
+        monkeypatch.setattr(sys, "argv", ["copy_recipe.py", source, destination])
+        assert said in stopped_with(capsys, copy_recipe.main)
+        assert recipe.read_text(encoding="utf-8") == original
+    assert sorted(os.listdir(tmp_path)) == ["pretrain.py", "rows.jsonl"]
+
+
+def test_estimate_memory_misuse_is_one_line_and_offload_is_bounded_by_host_memory(capsys):
+    """--host_memory_gb -1 and --vocab_size 0 were accepted, --activation_modes with --params silently dropped its
+    table, and the offload row's longest sequence ignored the host RAM that holds its activations."""
+    from tools import estimate_memory as em
+
+    for flags, said in ((["--model_preset", "1b", "--host_memory_gb", "-1"], "--host_memory_gb must be > 0"),
+                        (["--model_preset", "1b", "--vocab_size", "0"], "--vocab_size must be >= 1"),
+                        (["--params", "7e9", "--activation_modes"], "--activation_modes needs the model's layers")):
+        assert said in stopped_with(capsys, lambda: em.parse_args(flags))
+
+    def offload_tokens(*host: str) -> int:
+        table = em.report(em.parse_args(["--model_preset", "1b", "--use_peft", "--activation_modes", *host]))
+        row = next(line for line in table.splitlines() if line.startswith("| offload |"))
+        return int(row.split("|")[-2].split()[0].replace(",", ""))
+
+    args = em.parse_args(["--model_preset", "1b"])
+    host_bytes_per_token = em.per_token_layer_bytes(em.model_shape(args), "full") * em.model_shape(args).layers
+    unbounded, eight_gb = offload_tokens(), offload_tokens("--host_memory_gb", "2")
+    assert eight_gb * host_bytes_per_token <= 0.9 * 2 * em.GB < (eight_gb + 1024) * host_bytes_per_token
+    assert eight_gb < unbounded
