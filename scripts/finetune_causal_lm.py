@@ -310,7 +310,9 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     if not export(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
     if args.use_peft and args.merge_adapter:  # feature: lora
-        export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForCausalLM, args.model_name_or_path)
+        merge = export_merged_model
+        merge = explain_full_disk(merge)  # feature: full disk
+        merge(accelerator, tokenizer, args.output_dir, AutoModelForCausalLM, args.model_name_or_path)
     log.write_results({**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
                        "padding_fraction": log.padding_fraction, "num_parameters": total_params,
                        "trainable_parameters": trainable, "train_examples": len(data["train"])})

@@ -297,8 +297,9 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         if not export(accelerator, model, tokenizer, args.output_dir):
             return DIVERGED_STATUS
     if args.use_peft and args.merge_adapter:  # feature: lora
-        export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification,
-                            args.model_name_or_path, **head)
+        merge = partial(export_merged_model, **head)  # the classifier's head settings
+        merge = explain_full_disk(merge)  # feature: full disk
+        merge(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification, args.model_name_or_path)
     exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else (progress.step, last_metrics)
     logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}")
     log.write_results({**exported, "exported_step": exported_step, "train_steps": progress.step,

@@ -238,12 +238,13 @@ def test_the_base_fingerprint_tells_a_base_edited_in_the_middle(tiny_model, tmp_
 
 # ---- the tools: each misuse is one line -------------------------------------------------------------------------
 def stopped_with(capsys, run) -> str:
-    """The one line `run()` stops with (exit status 2, nothing else on stderr)."""
+    """The one line `run()` stops with (exit status 2, the last line on stderr, no other error line)."""
     with pytest.raises(SystemExit) as stopped:
         run()
     err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    errors = [line for line in err if line.startswith("error: ")]
+    assert stopped.value.code == 2 and len(errors) == 1 and err[-1] == errors[0], err
+    return errors[0]
 
 
 def test_copy_recipe_misuse_is_one_line_and_never_strips_the_recipe(tmp_path, monkeypatch, capsys):
@@ -288,3 +289,38 @@ def test_estimate_memory_misuse_is_one_line_and_offload_is_bounded_by_host_memor
     unbounded, eight_gb = offload_tokens(), offload_tokens("--host_memory_gb", "2")
     assert eight_gb * host_bytes_per_token <= 0.9 * 2 * em.GB < (eight_gb + 1024) * host_bytes_per_token
     assert eight_gb < unbounded
+
+
+def test_a_full_disk_during_the_merged_export_is_one_line_and_leaves_no_part_of_it(tiny_model, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """--merge_adapter on a disk that fills while the merged weights are written (ENOSPC after half of them): the
+    merged export wrote straight into merged/, left config.json there without weights and ended in a SafetensorError
+    traceback. Now: one line naming output_dir/merged, no merged/ and no partial folder, the adapter export intact."""
+    from accelerate import PartialState
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, modeling_utils
+
+    from common.features.disk import explain_full_disk
+    from common.features.lora import export_merged_model
+
+    PartialState(cpu=True)  # one process: broadcast_object_list returns its input
+    out = tmp_path / "out"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(out)
+    adapter = sorted(os.listdir(out))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    save_file = modeling_utils.safe_save_file
+
+    def disk_fills(tensors, filename, metadata=None):
+        save_file(tensors, filename, metadata=metadata)
+        os.truncate(filename, os.path.getsize(filename) // 2)
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", disk_fills)
+    accelerator = types.SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    merge = explain_full_disk(export_merged_model)
+    line = stopped_with(capsys, lambda: merge(accelerator, tokenizer, str(out), AutoModelForCausalLM, tiny_model))
+    assert line.startswith(f"error: disk full: the model could not be exported to {out / 'merged'} (filesystem ")
+    assert line.endswith("nothing of it was left): free some space, then rerun with --overwrite_output_dir (there is "
+                         "no checkpoint to resume)")
+    assert sorted(os.listdir(out)) == adapter
