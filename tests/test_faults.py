@@ -324,3 +324,15 @@ def test_a_full_disk_during_the_merged_export_is_one_line_and_leaves_no_part_of_
     assert line.endswith("nothing of it was left): free some space, then rerun with --overwrite_output_dir (there is "
                          "no checkpoint to resume)")
     assert sorted(os.listdir(out)) == adapter
+
+
+def test_the_default_start_prints_no_warning(corpus, tmp_path):
+    """A run without flags beyond its data printed bitsandbytes' "Failed to load CPU gemm_4bit_forward from
+    kernels-community" (peft, imported by transformers' get_scheduler, imports bitsandbytes): a warning about 4-bit
+    kernels in a run with none. Its own process (the tests' fork server has imported bitsandbytes already)."""
+    proc = run_script("pretrain_llama.py", "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+                      "--tokenizer_vocab_size", "300", "--block_size", "32", "--max_steps", "1", "--max_eval_samples",
+                      "4", "--sample_max_new_tokens", "0", "--output_dir", str(tmp_path / "out"), "--cache_dir",
+                      str(tmp_path / "cache"), env={})
+    warnings = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "warn" in line.lower()]
+    assert warnings == [], warnings
