@@ -336,3 +336,26 @@ def test_the_default_start_prints_no_warning(corpus, tmp_path):
                       str(tmp_path / "cache"), env={})
     warnings = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "warn" in line.lower()]
     assert warnings == [], warnings
+
+
+def test_a_sharded_model_is_checked_through_its_index(tiny_model, tmp_path, capsys):
+    """Each shard the index names must exist and hold what its header describes: a shard cut short or missing is
+    one line naming it."""
+    from transformers import AutoModelForCausalLM
+
+    from common.inputs.modeling import check_model_folder
+
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(folder, max_shard_size="2MB")
+    for name in os.listdir(tiny_model):
+        if name.startswith("tokenizer"):
+            os.link(os.path.join(tiny_model, name), folder / name)
+    args = argparse.Namespace(model_name_or_path=str(folder), tokenizer_name=None)
+    check_model_folder(args)  # whole: passes
+    shards = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    assert len(shards) > 1
+    os.truncate(folder / shards[-1], 100)
+    assert f"{folder / shards[-1]} is cut short" in stopped_with(capsys, lambda: check_model_folder(args))
+    os.remove(folder / shards[-1])
+    assert f"{shards[-1]}, named by {folder}/model.safetensors.index.json, is missing" in stopped_with(
+        capsys, lambda: check_model_folder(args))
