@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 
 import xxhash
+
 from common.errors import fail
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ MANIFEST = "cache.json"
 
 def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
     """`path`, complete: as found when its manifest holds, else built by `build(folder)` into a temporary folder
-    beside it and renamed into place. `what` names the entry in the log ("a BPE tokenizer")."""
+    beside it and renamed into place. `what` names the entry in the log and in errors ("the default corpus")."""
     problem = entry_problem(path)
     if problem is None:
         return path
