@@ -47,7 +47,6 @@ PRESETS = tuple(LLAMA_PRESETS) + tuple(MOE_PRESETS)
 
 def load_config(args: argparse.Namespace) -> PretrainedConfig:
     """The model's config, cheaply (no weights), so that flags can be checked against it before any heavy work."""
-    check_model_folder(args)
     if args.model_name_or_path:
         config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
     elif args.config_name:
@@ -55,6 +54,7 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
     else:
         preset = args.model_preset or "tiny"
         config = MixtralConfig(**MOE_PRESETS[preset]) if preset in MOE_PRESETS else LlamaConfig(**LLAMA_PRESETS[preset])
+    check_model_folder(args)
     return config
 
 
@@ -142,8 +142,8 @@ def check_finetuning_flags(args: argparse.Namespace) -> None:
 
 def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
     """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
-    check_model_folder(args)
     config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
+    check_model_folder(args)
     if args.freeze_layers > config.num_hidden_layers:
         fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
     max_positions = getattr(config, "max_position_embeddings", None)
