@@ -216,7 +216,7 @@ def pytest_configure(config) -> None:
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_chunked_loss.py", "test_preemption.py",
                  "test_gpu_suite.py", "test_distributed.py", "test_lora_engines.py", "test_pretrain.py",
                  "test_bad_inputs.py", "test_lora.py", "test_crash_safety.py", "test_init_parity.py",
-                 "test_finetune_classifier.py", "test_resume_guard.py", "test_benchmark.py",
+                 "test_finetune_classifier.py", "test_resume_guard.py", "test_faults.py", "test_benchmark.py",
                  "test_finetune_causal_lm.py", "test_activation_memory.py", "test_fsdp.py")
 
 
