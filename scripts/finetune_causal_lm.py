@@ -46,6 +46,7 @@ from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
+from common.inputs.cache import cached_folder
 from common.inputs.data import build_default_corpus, check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
@@ -67,7 +68,7 @@ from common.features.divergence import (NonFiniteGuard, add_divergence_args, che
 from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
-                                  check_peft_flags, check_vocab_size, export_adapter, export_merged_model,
+                                  check_peft_flags, check_vocab_size, export_adapter, export_and_merge,
                                   frozen_base_left_out)  # feature: lora
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
@@ -201,6 +202,8 @@ def exporter(args):
     export = export_model
     if args.use_peft:  # feature: lora
         export = export_adapter  # the adapter alone, in peft's format
+    if args.use_peft and args.merge_adapter:  # feature: lora
+        export = export_and_merge(AutoModelForCausalLM, args.model_name_or_path)  # the adapter, then merged/
     export = explain_full_disk(export)  # feature: full disk
     export = export_if_finite(export)  # feature: divergence guard
     return export
@@ -312,8 +315,6 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     export = exporter(args)
     if not export(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
-    if args.use_peft and args.merge_adapter:  # feature: lora
-        export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForCausalLM, args.model_name_or_path)
     results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
                "padding_fraction": log.padding_fraction, "num_parameters": total_params,
                "trainable_parameters": trainable, "train_examples": len(data["train"])}
@@ -442,10 +443,12 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
     the same standard-library sources (and train/validation split) as the pretraining default corpus."""
     corpus = build_default_corpus(cache_dir)
     out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
+    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task")
+    return tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
+
+
+def write_docstring_task(corpus: dict[str, str], out_dir: str) -> None:
     paths = tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
-    if all(os.path.isfile(p) for p in paths):
-        return paths
-    os.makedirs(out_dir, exist_ok=True)
     for split, path in zip(("train", "validation"), paths):
         rows = []
         with open(corpus[split], encoding="utf-8") as f:
@@ -463,10 +466,8 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
                         cut = node.body[0].end_lineno - node.lineno + 1  # lines through the docstring
                         rows.append(json.dumps({"prompt": "".join(function[:cut]),
                                                 "completion": "".join(function[cut:])}))
-        with open(path + ".tmp", "w", encoding="utf-8") as f:  # write then rename: never half a file
+        with open(path, "w", encoding="utf-8") as f:  # into the entry's temporary folder (common/inputs/cache.py)
             f.write("\n".join(rows) + "\n")
-        os.replace(path + ".tmp", path)
-    return paths
 
 
 if __name__ == "__main__":

@@ -301,10 +301,10 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         if not export(accelerator, model, tokenizer, args.output_dir):
             return DIVERGED_STATUS
     if args.use_peft and args.merge_adapter:  # feature: lora
-        export_merged_model(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification,
-                            args.model_name_or_path, **head)
-    exported_step, exported = (best.step, best.metrics) if args.load_best_model_at_end else (progress.step, last_metrics)
-    logger.info(f"Exported model (step {exported_step}): eval_accuracy {exported['eval_accuracy']:.4f}")
+        merge = partial(export_merged_model, **head)  # the classifier's head settings
+        merge = explain_full_disk(merge)  # feature: full disk
+        merge(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification, args.model_name_or_path)
+    exported_step, exported = best.exported(progress.step, last_metrics)
     results = {**exported, "exported_step": exported_step, "train_steps": progress.step,
                "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,
                "num_parameters": total_params, "trainable_parameters": trainable, "labels": label_names,
@@ -349,7 +349,7 @@ class BestModel:
         metric = args.metric_for_best_model
         self.key, self.sign = f"eval_{metric}", -1 if metric == "loss" else 1
         self.step, self.metrics = None, None
-        self.output_dir = args.output_dir
+        self.output_dir, self.load_best = args.output_dir, args.load_best_model_at_end
         if args.load_best_model_at_end:
             write = extras.write  # what the checkpoint holds besides: the best model's export too
 
@@ -380,6 +380,12 @@ class BestModel:
             shutil.copy2(path, kept)
         with open(os.path.join(kept, "best.json"), "w", encoding="utf-8") as f:
             json.dump({"step": self.step, "metrics": self.metrics}, f)
+
+    def exported(self, last_step: int, last_metrics: dict) -> tuple[int, dict]:
+        """The step and figures of the exported model: the best one's with --load_best_model_at_end, else the last's."""
+        step, metrics = (self.step, self.metrics) if self.load_best else (last_step, last_metrics)
+        logger.info(f"Exported model (step {step}): eval_accuracy {metrics['eval_accuracy']:.4f}")
+        return step, metrics
 
     def update(self, step: int, metrics: dict) -> bool:
         """True when `metrics` beat the best so far (they then become the best)."""

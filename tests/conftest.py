@@ -196,6 +196,15 @@ FAST = {
                                    "test_chat_template_trains_on_assistant_turns_only"},
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base"},
     "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
+    "test_faults.py": {"test_a_tokenizer_cache_killed_while_written_is_rebuilt_whole",
+                       "test_a_damaged_cache_entry_is_rebuilt_and_said_in_one_line",
+                       "test_two_runs_building_one_entry_both_end_with_a_whole_one",
+                       "test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing",
+                       "test_the_base_fingerprint_tells_a_base_edited_in_the_middle",
+                       "test_copy_recipe_misuse_is_one_line_and_never_strips_the_recipe",
+                       "test_estimate_memory_misuse_is_one_line_and_offload_is_bounded_by_host_memory",
+                       "test_a_full_disk_during_the_merged_export_is_one_line_and_leaves_no_part_of_it",
+                       "test_a_sharded_model_is_checked_through_its_index"},
 }
 
 
@@ -210,7 +219,7 @@ def pytest_configure(config) -> None:
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_chunked_loss.py", "test_preemption.py",
                  "test_gpu_suite.py", "test_distributed.py", "test_lora_engines.py", "test_pretrain.py",
                  "test_bad_inputs.py", "test_lora.py", "test_crash_safety.py", "test_init_parity.py",
-                 "test_finetune_classifier.py", "test_resume_guard.py", "test_benchmark.py",
+                 "test_finetune_classifier.py", "test_resume_guard.py", "test_faults.py", "test_benchmark.py",
                  "test_finetune_causal_lm.py", "test_compile.py", "test_activation_memory.py", "test_fsdp.py")
 
 

@@ -21,6 +21,7 @@ import tokenize
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.errors import fail  # noqa: E402
 from common.flags import ArgumentParser  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,17 +104,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def read_recipe(args: argparse.Namespace) -> tuple[str, dict[str, int]]:
+    """The recipe's source and its marked lines; a missing or non-Python recipe, or a destination that is the recipe
+    itself (the copy would strip it in place), is one line."""
+    if not os.path.isfile(args.recipe):
+        fail(f"{args.recipe}: no such file")
+    if not args.recipe.endswith(".py"):
+        fail(f"{args.recipe}: not a Python file; give a recipe such as scripts/pretrain_llama.py")
+    if args.destination and os.path.exists(args.destination) and os.path.samefile(args.recipe, args.destination):
+        fail(f"the destination {args.destination} is the recipe itself: the copy would replace it; choose another path")
+    try:
+        with open(args.recipe, encoding="utf-8") as f:
+            source = f.read()
+        ast.parse(source)
+        return source, feature_lines(source)
+    except (UnicodeDecodeError, SyntaxError, ValueError, tokenize.TokenError) as e:
+        fail(f"{args.recipe}: not a Python program ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}); "
+             "give a recipe such as scripts/pretrain_llama.py")
+
+
 def main() -> None:
     args = parse_args()
-    with open(args.recipe, encoding="utf-8") as f:
-        source = f.read()
+    source, marked = read_recipe(args)
     features: dict[str, list[int]] = {}
-    for line, name in feature_lines(source).items():
+    for line, name in marked.items():
         features.setdefault(name, []).append(line)
     unknown = set(args.keep) - set(features)
     if unknown:
-        sys.exit(f"error: --keep {' '.join(sorted(unknown))}: not a feature of {args.recipe} "
-                 f"(its features: {', '.join(sorted(features))})")
+        fail(f"--keep {' '.join(sorted(unknown))}: not a feature of {args.recipe} "
+             f"(its features: {', '.join(sorted(features))})")
     if args.list:
         for name, lines in sorted(features.items()):
             print(f"{name}: lines {', '.join(map(str, lines))}")
@@ -121,8 +140,11 @@ def main() -> None:
     print(f"{args.recipe}: imports {common_lines(source)} lines of common/; the copy imports {common_lines(copy)} "
           f"(kept: {', '.join(args.keep) or 'no feature'})")
     if args.destination:
-        with open(args.destination, "w", encoding="utf-8") as f:
-            f.write(copy)
+        try:
+            with open(args.destination, "w", encoding="utf-8") as f:
+                f.write(copy)
+        except OSError as e:
+            fail(f"cannot write the copy to {args.destination}: {e.strerror or e}")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2) -> float:
 def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states: float, what: str) -> list[str]:
     """Per mode: what a token keeps per layer, the activations at --seq_len, and the longest sequence that fits."""
     b, limit = args.micro_batch_size, HEADROOM * args.gpu_memory_gb * GB
+    host_limit = HEADROOM * args.host_memory_gb * GB if args.host_memory_gb else math.inf
     transient = 34 * shape.hidden  # one layer's activations while it runs (or is recomputed), per token
     lines = ["", f"Activation memory by mode ({what}, model states {states / GB:.1f} GB on one GPU, micro-batch {b}, "
              "SDPA, one chunk of the logits with --chunked_cross_entropy):", "",
@@ -164,14 +165,19 @@ def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states:
         def total(seq: int) -> float:
             return states + seq * b * (per * shape.layers + extra) + logits_bytes(shape, seq, b, True)
 
+        # offload moves what full checkpointing keeps (each layer's bf16 input) to host RAM, which bounds it too
+        host_per_token = b * per_token_layer_bytes(shape, "full") * shape.layers if key == "offload" else 0
         longest = 0
-        while total(longest + 1024) <= limit and longest < 2**24:
+        while (total(longest + 1024) <= limit and (longest + 1024) * host_per_token <= host_limit
+               and longest < 2**24):
             longest += 1024
         longest_text = f"{longest:,} tokens" if longest else "none (model states alone do not fit)"
         lines.append(f"| {name} | {'`' + flags + '`' if flags else ''} | {per / 1e3:.1f} kB | "
                      f"{(total(args.seq_len) - states) / GB:.1f} GB | "
                      f"{longest_text} |")
-    lines += ["", "Offload keeps the saved activations in host memory (its host RAM: the activations column). "
+    bound = "90% of --host_memory_gb" if args.host_memory_gb else "host RAM (give --host_memory_gb to bound it)"
+    lines += ["", f"Offload keeps each layer's bf16 input (2·h bytes per token per layer) in host RAM: its longest "
+              f"sequence also fits {bound}. "
               "Published for comparison, not measured here: Unsloth, Llama-3.1-8B QLoRA on one 80 GB GPU, 342k tokens "
               "of context (plain Hugging Face + FlashAttention-2: 28k); TRL, 8B with sequence parallelism on 8 x H100, "
               "300k+ tokens."]
@@ -344,6 +350,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fail(f"--gpus_per_node must be between 1 and --num_gpus ({args.num_gpus})")
     if args.params is not None and args.params <= 0 or args.gpu_memory_gb <= 0:
         fail("--params and --gpu_memory_gb must be > 0")
+    if args.host_memory_gb is not None and args.host_memory_gb <= 0:
+        fail(f"--host_memory_gb must be > 0 (got {args.host_memory_gb:g}); leave it out to not check host RAM")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        fail(f"--vocab_size must be >= 1 (got {args.vocab_size})")
+    if args.activation_modes and args.params:
+        fail("--activation_modes needs the model's layers: give --model_preset or --config_name instead of --params")
     return args
 
 

@@ -79,10 +79,12 @@ def export_disk_full_message(exc: BaseException, partial: str) -> str | None:
     if not disk_refuses_writes(exc, partial):
         return None
     output_dir = os.path.dirname(partial)
+    part = os.path.basename(partial)[len(LEFTOVER_PREFIX):]  # "export", or "merged": --merge_adapter's folder
     free_mib = shutil.disk_usage(output_dir).free / 2**20
     checkpoints = complete_checkpoints(output_dir)
     then = (f"rerun with --resume_from_checkpoint auto ({checkpoints[-1]} is intact)" if checkpoints else
             "rerun with --overwrite_output_dir (there is no checkpoint to resume)")
-    return (f"disk full: the model could not be exported to {output_dir} (filesystem {mount_point(output_dir)}, "
+    target = output_dir if part == "export" else os.path.join(output_dir, part)
+    return (f"disk full: the model could not be exported to {target} (filesystem {mount_point(output_dir)}, "
             f"{free_mib:.0f} MiB free after removing the partial export; nothing of it was left): free some space, "
             f"then {then}")

@@ -19,7 +19,7 @@ def lock_output_dir(output_dir: str, is_main_process: bool = True) -> None:
     """Hold an exclusive `flock` on <output_dir>/.lock until this process ends (also by SIGKILL or a crash: the kernel
     releases it, so no stale lock is ever left). On NFS, Linux maps flock to POSIX locks across nodes; Lustre needs
     the `flock` mount option. A folder or lock file created here goes again at exit if the run wrote nothing else
-    there (bad input found after the lock leaves no trace)."""
+    there, in a folder that held files before too (bad input found after the lock leaves no trace)."""
     if not is_main_process:
         return
     key = os.path.realpath(output_dir)
@@ -27,6 +27,7 @@ def lock_output_dir(output_dir: str, is_main_process: bool = True) -> None:
         return
     created_dir = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
+    found = set(os.listdir(output_dir))
     path = os.path.join(output_dir, LOCK_FILE)
     created_lock = not os.path.exists(path)
     lock = open(path, "a+", encoding="utf-8")
@@ -44,14 +45,14 @@ def lock_output_dir(output_dir: str, is_main_process: bool = True) -> None:
     lock.flush()
     _held_locks[key] = lock
     if created_lock:
-        atexit.register(_remove_if_unused, output_dir, created_dir)
+        atexit.register(_remove_if_unused, output_dir, created_dir, found)
 
 
-def _remove_if_unused(output_dir: str, created_dir: bool) -> None:
-    """At exit: the lock file this run created, and the folder, when the run wrote nothing else into it (the lock
-    file goes while still held, so no other run holds it then; rmdir removes only an empty folder)."""
+def _remove_if_unused(output_dir: str, created_dir: bool, found: set[str]) -> None:
+    """At exit: the lock file this run created, and the folder, when the run added nothing else to what the folder
+    held (the lock file goes while still held, so no other run holds it then; rmdir removes only an empty folder)."""
     try:
-        if os.listdir(output_dir) == [LOCK_FILE]:
+        if set(os.listdir(output_dir)) - found == {LOCK_FILE}:
             os.remove(os.path.join(output_dir, LOCK_FILE))
             if created_dir:
                 os.rmdir(output_dir)

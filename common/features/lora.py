@@ -10,18 +10,20 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, is_peft_model
+from accelerate.utils import DistributedType, broadcast_object_list, is_peft_model
 from safetensors.torch import load_file
 from torch import nn
 
-from common.errors import fail
+from common.errors import fail, fail_on_every_rank
 from common.export import use_tokenizer_special_tokens, write_all_or_nothing
 from common.inputs.modeling import outside_zero3
-from common.paths import MERGED_DIR
+from common.output_dir import discard, fsync_path
+from common.paths import LEFTOVER_PREFIX, MERGED_DIR
 from common.upstream import prepared_models, save_state_pre_hooks
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
@@ -251,16 +253,49 @@ def export_adapter(accelerator: Accelerator, model, tokenizer, output_dir: str,
     return True
 
 
+def export_and_merge(model_class, base_path: str) -> Callable:
+    """--merge_adapter as one export: the adapter (`export_adapter`), then the merged model (`export_merged_model`),
+    a failed write of either explained by the same `explain_failed_write`."""
+    def export(accelerator: Accelerator, model, tokenizer, output_dir: str,
+               explain_failed_write: Callable | None = None) -> bool:
+        if not export_adapter(accelerator, model, tokenizer, output_dir, explain_failed_write):
+            return False
+        export_merged_model(accelerator, tokenizer, output_dir, model_class, base_path, explain_failed_write)
+        return True
+    return export
+
+
 def export_merged_model(accelerator: Accelerator, tokenizer, output_dir: str, model_class, base_path: str,
-                        **load_kwargs) -> None:
+                        explain_failed_write: Callable | None = None, **load_kwargs) -> None:
     """--merge_adapter: the adapter exported in `output_dir` merged into a full-precision copy of the base (see
-    `merge_adapter`), written to `output_dir/merged`, loadable with the model class alone. The main process does
-    it; the others wait."""
+    `merge_adapter`), written to `output_dir/merged`, loadable with the model class alone. All or nothing: written
+    into `output_dir/.tmp-merged` (its files synced) and renamed into place once complete; a failed write is removed,
+    and `explain_failed_write(exception, partial folder)` may name it in one line (a full disk) that stops every rank,
+    as in `common.export.write_all_or_nothing`. The main process does it; the others wait."""
+    problem = None
     if accelerator.is_main_process:
+        partial, folder = os.path.join(output_dir, LEFTOVER_PREFIX + MERGED_DIR), os.path.join(output_dir, MERGED_DIR)
+        shutil.rmtree(partial, ignore_errors=True)
         merged = merge_adapter(model_class, base_path, output_dir, **load_kwargs)
         use_tokenizer_special_tokens(merged, tokenizer)
-        merged.save_pretrained(os.path.join(output_dir, MERGED_DIR), safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(output_dir, MERGED_DIR))
+        try:
+            merged.save_pretrained(partial, safe_serialization=True)
+            tokenizer.save_pretrained(partial)
+            for name in os.listdir(partial):
+                fsync_path(os.path.join(partial, name))
+        except Exception as exc:
+            problem = explain_failed_write(exc, partial) if explain_failed_write else None
+            shutil.rmtree(partial, ignore_errors=True)
+            if problem is None:
+                raise
+        else:
+            if os.path.isdir(folder):  # an earlier export's, replaced only now that the new one is whole
+                discard(folder)
+            os.replace(partial, folder)
+            fsync_path(output_dir)
+    problem = broadcast_object_list([problem])[0]  # only the main process writes: its verdict holds for all
+    if problem:
+        fail_on_every_rank(accelerator, problem)
     accelerator.wait_for_everyone()
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import re
 
+import xxhash
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
@@ -111,19 +112,30 @@ def file_fingerprint(path: str | None) -> dict | None:
 
 
 def base_model_fingerprint(name: str | None, config) -> dict | None:
-    """The pretrained weights a run starts from (None: built from the seed): for a local folder the fingerprints of
-    its weight files (a copy elsewhere matches; another model of the same shape does not, which the shape alone
-    misses), for a hub id the revision its config came from. A LoRA resume loads its base afresh: it must be the one
-    the adapter was trained on."""
+    """The pretrained weights a run starts from (None: built from the seed): for a local folder every weight file's
+    size and an xxh3-64 checksum of its whole content (a copy elsewhere matches; another model, of the same shape or
+    with one value edited anywhere, does not), for a hub id the revision its config came from. A LoRA resume loads its
+    base afresh: it must be the one the adapter was trained on. xxh3-64 hashes ~20 GB/s (common/features/checksums.py):
+    reading the files costs more, and the model load that follows finds them in the page cache. `weights` (the size
+    and the first and last MiB) is what checkpoints written before the full checksum hold; it is compared with them."""
     if not name:
         return None
     if not os.path.isdir(name):
         return {"name": name, "revision": getattr(config, "_commit_hash", None)}
-    weights = {}
+    weights, checksums = {}, {}
     for path in sorted({p for pattern in WEIGHT_FILES for p in glob.glob(os.path.join(glob.escape(name), pattern))}):
         fingerprint = file_fingerprint(path)
         weights[fingerprint["name"]] = [fingerprint["bytes"], fingerprint["sha256_head_tail"]]
-    return {"name": name, "weights": weights}
+        checksums[fingerprint["name"]] = [fingerprint["bytes"], whole_file_checksum(path)]
+    return {"name": name, "weights": weights, "weights_xxh3_64": checksums}
+
+
+def whole_file_checksum(path: str) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(4 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -204,7 +216,8 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
     if key in ("train_file", "validation_file") and saved and current:
         return (saved["bytes"], saved["sha256_head_tail"]) != (current["bytes"], current["sha256_head_tail"])
     if key == "base_model" and saved and current:  # the path may change; a folder and a hub id cannot be compared
-        return any(saved.get(k) != current.get(k) for k in ("weights", "revision") if saved.get(k) and current.get(k))
+        return any(saved.get(k) != current.get(k) for k in ("weights", "weights_xxh3_64", "revision")
+                   if saved.get(k) and current.get(k))
     return saved != current
 
 

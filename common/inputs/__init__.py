@@ -4,10 +4,18 @@ model presets and how a model is built. Imports the core (`common.*`), never `co
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 
 from common.errors import fail, missing_local_path
+
+# transformers' get_scheduler and LengthGroupedSampler import its Trainer helpers, which import peft whenever it is
+# installed, and peft imports bitsandbytes, whose CPU backend warns on CPUs with AVX512-BF16 that the optional
+# `kernels` package is missing ("Failed to load CPU gemm_4bit_forward"): a run with no 4-bit layer cannot act on it,
+# and a QLoRA run on CPU works without it (docs/lora.md). Only that record is dropped.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
 
 
 def from_pretrained_or_fail(load: Callable, name: str, flag: str):

@@ -22,6 +22,7 @@ from common.paths import TOKENIZER_DIR
 from common.errors import fail
 from common.upstream import dataset_fingerprint
 from common.inputs import from_pretrained_or_fail
+from common.inputs.cache import cached_folder
 
 logger = get_logger(__name__)
 
@@ -78,11 +79,12 @@ def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYT
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
         paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
     key = hashlib.sha256(f"{stdlib}|{len(paths)}|{max_bytes}".encode()).hexdigest()[:12]
-    out_dir = os.path.join(cache_dir, f"stdlib-corpus-{key}")
-    splits = {"train": os.path.join(out_dir, "train.jsonl"), "validation": os.path.join(out_dir, "validation.jsonl")}
-    if all(os.path.isfile(p) for p in splits.values()):
-        return splits
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = cached_folder(os.path.join(cache_dir, f"stdlib-corpus-{key}"),
+                            partial(write_default_corpus, stdlib, paths, max_bytes), "the default corpus")
+    return {split: os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation")}
+
+
+def write_default_corpus(stdlib: str, paths: list[str], max_bytes: int, folder: str) -> None:
     rows = {"train": [], "validation": []}
     size = 0
     for path in paths:
@@ -99,11 +101,9 @@ def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYT
         rows[split].append(json.dumps({"text": text, "source": rel}))
     if not rows["train"]:
         fail(f"no readable Python sources under {stdlib} to build the default corpus; pass --train_file")
-    for split, path in splits.items():  # write then rename: a killed run never leaves half a file behind
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write("\n".join(rows[split]) + "\n")
-        os.replace(path + ".tmp", path)
-    return splits
+    for split, split_rows in rows.items():
+        with open(os.path.join(folder, f"{split}.jsonl"), "w", encoding="utf-8") as f:
+            f.write("\n".join(split_rows) + "\n")
 
 
 def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None,
@@ -273,7 +273,8 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     """The fast tokenizer named by --tokenizer_name / the model; else a BPE tokenizer of `vocab_size` trained on the
     train split.
 
-    A trained tokenizer is cached under --cache_dir by a fingerprint of the data and vocab size: later runs reuse it.
+    A trained tokenizer is cached under --cache_dir by a fingerprint of the data and vocab size (common/inputs/cache.py:
+    written whole or not at all): later runs reuse it.
     A resumed run takes it from its checkpoint (which carries it), whatever the cache holds.
     """
     name = args.tokenizer_name or args.model_name_or_path
@@ -288,11 +289,10 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     else:
         key = f"{dataset_fingerprint(raw['train'])}-{vocab_size}"
         path = os.path.join(args.cache_dir, f"tokenizer-bpe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+        texts = (batch[args.text_column] for batch in raw["train"].iter(batch_size=1000))
         with accelerator.main_process_first():
-            if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-                logger.info(f"Training a byte-level BPE tokenizer (vocab {vocab_size}) -> {path}")
-                texts = (batch[args.text_column] for batch in raw["train"].iter(batch_size=1000))
-                train_bpe_tokenizer(texts, vocab_size).save_pretrained(path)
+            cached_folder(path, lambda folder: train_bpe_tokenizer(texts, vocab_size).save_pretrained(folder),
+                          f"a byte-level BPE tokenizer (vocab {vocab_size})")
             tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:  # collators and generation need one; never trained on (labels are masked)
         tokenizer.pad_token = tokenizer.eos_token

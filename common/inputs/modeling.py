@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -51,7 +54,66 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
     else:
         preset = args.model_preset or "tiny"
         config = MixtralConfig(**MOE_PRESETS[preset]) if preset in MOE_PRESETS else LlamaConfig(**LLAMA_PRESETS[preset])
+    check_model_folder(args)
     return config
+
+
+# Any one of them lets transformers build a fast tokenizer (the others are converted).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
+def check_model_folder(args: argparse.Namespace) -> None:
+    """A local --model_name_or_path with a weight file cut short (a failed copy or download), or a local tokenizer
+    folder without a tokenizer: one line naming the file or folder before any data is loaded (transformers said it
+    only once the model loaded, after the data, in a safetensors traceback or "Couldn't instantiate the backend
+    tokenizer")."""
+    name = args.model_name_or_path
+    if name and os.path.isdir(name):
+        for path in safetensors_files(name):
+            problem = safetensors_problem(path)
+            if problem:
+                fail(f"--model_name_or_path {name}: {path} {problem}; copy or download the model again")
+    flag, folder = ("--tokenizer_name", args.tokenizer_name) if getattr(args, "tokenizer_name", None) else \
+        ("--model_name_or_path", name)
+    if folder and os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        fail(f"{flag} {folder}: the folder holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the "
+             "model's tokenizer there (tokenizer.save_pretrained) or pass --tokenizer_name")
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The weight files of a model folder: those its index names (a sharded model; one missing is named), else every
+    *.safetensors file in it."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
+    try:
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        fail(f"--model_name_or_path {folder}: {index} is not a valid safetensors index ({type(e).__name__}: {e})")
+    for shard in shards:
+        if not os.path.isfile(os.path.join(folder, shard)):
+            fail(f"--model_name_or_path {folder}: {shard}, named by {index}, is missing")
+    return [os.path.join(folder, shard) for shard in shards]
+
+
+def safetensors_problem(path: str) -> str | None:
+    """What makes a safetensors file unreadable, from its header and size alone (8 bytes of header length, the JSON
+    header, then the tensors' bytes at the offsets it gives): None when they agree."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else None
+        if length is None or 8 + length > size:
+            return f"is cut short ({size:,} bytes: its header is incomplete)"
+        try:
+            header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return "has a damaged header (not the JSON safetensors writes)"
+    if 8 + length + end > size:
+        return f"is cut short ({size:,} bytes, its header describes {8 + length + end:,})"
+    return None
 
 
 def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +143,7 @@ def check_finetuning_flags(args: argparse.Namespace) -> None:
 def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
     """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
     config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
+    check_model_folder(args)
     if args.freeze_layers > config.num_hidden_layers:
         fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
     max_positions = getattr(config, "max_position_embeddings", None)

@@ -1,0 +1,124 @@
+"""Cache entries under --cache_dir (trained tokenizers, the default corpora and tasks): each entry is a folder written
+whole or not at all, so a kill, a full disk or two runs sharing the cache never leave a half-written entry to read.
+
+An entry is built in a temporary folder beside it (locked while its builder lives, so the next build removes only
+a killed one's), which gets a manifest (`cache.json`: every file's size and xxh3-64) last and is then renamed into
+place: the rename is atomic, so an entry either exists complete or not at all. Of two runs building the same entry,
+the first rename wins and the other uses it. A later run checks the manifest before it reads the entry (xxh3-64
+hashes ~20 GB/s: common/features/checksums.py); an entry that fails the check (damaged since, or written by an older
+version without a manifest) is set aside and rebuilt, with one line in the log.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+
+import xxhash
+
+from common.errors import fail
+
+logger = logging.getLogger(__name__)
+MANIFEST = "cache.json"
+
+
+def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
+    """`path`, complete: as found when its manifest holds, else built by `build(folder)` into a temporary folder
+    beside it and renamed into place. `what` names the entry in the log and in errors ("the default corpus")."""
+    problem = entry_problem(path)
+    if problem is None:
+        return path
+    if problem != "missing":
+        logger.warning(f"cache entry {path} is damaged ({problem}): rebuilding it")
+        set_aside(path)
+    logger.info(f"Building {what} -> {path}")
+    remove_abandoned_builds(path)
+    temporary, building = f"{path}.tmp-{uuid.uuid4().hex[:12]}", None
+    try:
+        try:
+            os.makedirs(temporary)
+            building = os.open(temporary, os.O_RDONLY)  # locked while this process lives: not abandoned
+            fcntl.flock(building, fcntl.LOCK_EX)
+            build(temporary)
+            manifest = {name: file_record(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
+            write_and_sync(os.path.join(temporary, MANIFEST), json.dumps(manifest, indent=1))
+        except OSError as e:  # a full disk, a read-only --cache_dir: nothing of the entry is left
+            fail(f"{what} could not be written to the cache ({path}): {e.strerror or e}; free some space or choose "
+                 "another --cache_dir")
+        try:
+            os.rename(temporary, path)
+        except OSError:  # another run renamed its own build into place first: use that one
+            if entry_problem(path) is not None:
+                raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if building is not None:
+            os.close(building)
+    problem = entry_problem(path)
+    if problem is not None:
+        fail(f"cache entry {path} could not be written whole ({problem}): check the disk under --cache_dir")
+    return path
+
+
+def remove_abandoned_builds(path: str) -> None:
+    """Temporary folders of `path` that no live process holds locked: left by a killed build."""
+    parent, prefix = os.path.dirname(path) or ".", os.path.basename(path) + ".tmp-"
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        if not name.startswith(prefix):
+            continue
+        try:
+            held = os.open(os.path.join(parent, name), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except BlockingIOError:
+            pass  # another run is building it now
+        finally:
+            os.close(held)
+
+
+def entry_problem(path: str) -> str | None:
+    """None when `path` holds its manifest's files with their sizes and checksums; else what is wrong."""
+    if not os.path.isdir(path):
+        return "missing"
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST}"
+    for name, recorded in manifest.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if file_record(file) != recorded:
+            return f"{name} differs from what was written"
+    return None
+
+
+def file_record(path: str) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": os.path.getsize(path), "xxh3_64": xxhash.xxh3_64_hexdigest(f.read())}
+
+
+def write_and_sync(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def set_aside(path: str) -> None:
+    """Move a damaged entry out of the way (atomic, so a run reading it meanwhile reads it whole) and delete it."""
+    aside = f"{path}.damaged-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:  # another run set it aside first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
