@@ -52,6 +52,8 @@ from common.runtime import build_accelerator
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
 from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
                                                reduce_activation_memory)  # feature: activation memory
+from common.features.async_checkpoint import (add_async_checkpoint_args, save_in_background,
+                                              wait_for_checkpoint)  # feature: async checkpoint
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
@@ -76,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
+    add_async_checkpoint_args(parser)  # feature: async checkpoint
     add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
@@ -121,6 +124,7 @@ def main() -> None:
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
     extras.can_save = finite_weights  # feature: divergence guard
+    extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
     extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
@@ -128,6 +132,7 @@ def main() -> None:
         status = train_with_largest_batch(args, config, accelerator, progress, resume_from, extras)
     else:
         status = train(args, config, accelerator, progress, resume_from, extras)
+    wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)
     sys.exit(status)
 
@@ -235,7 +240,6 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
     model, head = build_classifier(args, accelerator, label_names)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
@@ -286,9 +290,11 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
             if checkpoint is None:
                 return DIVERGED_STATUS
         if stop:
+            wait_for_checkpoint(extras)  # feature: async checkpoint
             announce_stop(step, checkpoint)  # feature: preemption
             return STOPPED_STATUS
     log.close()
+    wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation and export (the last model, or the best one already exported) ----------------------------
     last_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
