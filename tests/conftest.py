@@ -193,6 +193,7 @@ FAST = {
                                    "test_chat_template_trains_on_assistant_turns_only"},
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base"},
     "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
+    "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
 }
 
 
@@ -205,7 +206,7 @@ def pytest_configure(config) -> None:
 # `--dist loadfile` hands out files in this order (xdist's own order, by number of tests, is switched off below), so
 # the two workers end on short files, together, not one on a 2-minute file alone.
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_chunked_loss.py", "test_preemption.py",
-                 "test_gpu_suite.py", "test_distributed.py", "test_lora_engines.py", "test_pretrain.py",
+                 "test_gpu_suite.py", "test_async_checkpoint.py", "test_distributed.py", "test_lora_engines.py", "test_pretrain.py",
                  "test_bad_inputs.py", "test_lora.py", "test_crash_safety.py", "test_init_parity.py",
                  "test_finetune_classifier.py", "test_resume_guard.py", "test_benchmark.py",
                  "test_finetune_causal_lm.py", "test_activation_memory.py", "test_fsdp.py")

@@ -169,7 +169,8 @@ def test_two_processes_write_what_blocking_saves_write(config, runs, corpus, dro
     names = [os.path.basename(c) for c in complete_checkpoints(str(background))]
     assert names == [os.path.basename(c) for c in complete_checkpoints(str(blocking))] == ["step_3", "step_4"]
     for name in names:
-        files, reference = recorded_files(background / "checkpoints" / name), recorded_files(blocking / "checkpoints" / name)
+        files = recorded_files(background / "checkpoints" / name)
+        reference = recorded_files(blocking / "checkpoints" / name)
         assert files.keys() == reference.keys()
         # DCP's .metadata records the folder it was written to and a random save id; every other byte is the same
         assert {k: v for k, v in files.items() if not k.endswith(".metadata")} == \
