@@ -10,6 +10,7 @@ blocking ones:
   after the loop went on, and the previous checkpoint stays whole;
 - 2 processes under DDP: the same files as blocking saves; under FSDP2: the same DCP shards (only `.metadata`'s save id
   and path differ) and the same final weights;
+- any other failed background write is one line at the next wait, naming the error and the intact checkpoint;
 - DeepSpeed is refused in one line.
 """
 
@@ -190,3 +191,44 @@ def test_deepspeed_is_refused_in_one_line(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --async_checkpointing does not work with DeepSpeed") and len(err.splitlines()) == 1
+
+
+def test_any_failed_background_write_is_one_line_at_the_next_wait(tmp_path, capsys, monkeypatch):
+    """In-process: a save returns while its write runs; a write that raised is reported by the next wait, never
+    silently, with one line naming the error and the intact checkpoint; nothing of the failed save is published."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from common.checkpoint import CheckpointExtras, save_checkpoint
+    from common.features import async_checkpoint
+    from common.features.async_checkpoint import BackgroundCheckpoints, wait_for_checkpoint
+    from common.features.checksums import record_files
+    from common.features.disk import stop_if_disk_full
+    from common.steps import track_progress
+
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = torch.nn.Linear(4, 4)
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+        track_progress(accelerator)
+        extras = CheckpointExtras(record_files=record_files, explain_failed_save=stop_if_disk_full)
+        extras.save = BackgroundCheckpoints(accelerator)
+        first = save_checkpoint(accelerator, str(tmp_path), 1, 2, extras)
+        wait_for_checkpoint(extras)
+        assert complete_checkpoints(str(tmp_path)) == [first] and verify(first) == (True, None)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("the storage went away\n(details)")
+
+        monkeypatch.setattr(async_checkpoint, "save", broken)
+        second = save_checkpoint(accelerator, str(tmp_path), 2, 2, extras)  # returns: the write runs meanwhile
+        with pytest.raises(SystemExit) as stopped:
+            wait_for_checkpoint(extras)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: checkpoint {second} could not be written in the background (RuntimeError: the storage went "
+            f"away); {first} is intact: rerun with --resume_from_checkpoint auto")
+        assert complete_checkpoints(str(tmp_path)) == [first]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -270,7 +270,11 @@ def mark(partial: str, name: str, missing_ok: bool = False) -> None:
 
 
 def describe(error: BaseException | None) -> str | None:
-    return None if error is None else (f"{type(error).__name__}: {error}".strip().rstrip(":") or type(error).__name__)
+    """An error as one line: its type and the first line of its message."""
+    if error is None:
+        return None
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def delay() -> None:
