@@ -42,6 +42,7 @@ class CheckpointExtras:
     # Called with a failed save's exception, partial folder and step: may remove it and stop in one line (full disk).
     explain_failed_save: Callable[[BaseException, str, int], None] | None = None
     state_kwargs: Callable[[bool], dict] | None = None  # save_state / load_state (True) arguments
+    save: Callable[..., str | None] | None = None  # saves instead of `save_checkpoint` (its arguments and result)
 
     def kwargs(self, loading: bool) -> dict:
         return self.state_kwargs(loading) if self.state_kwargs else {}
@@ -87,10 +88,11 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     `checkpoints/step_N`, then prune the oldest complete ones beyond `save_total_limit`.
 
     Returns the checkpoint's folder, or None when `extras.can_save` refused it (non-finite weights): nothing is
-    saved, the reason is printed, and the run must stop with DIVERGED_STATUS. Collective under DeepSpeed/FSDP: every process must call it. A save
-    that fails leaves the previous checkpoints untouched (its partial folder is a leftover the next start removes).
-    """
+    saved, the reason is printed, and the run must stop with DIVERGED_STATUS. Collective: every process calls it. A
+    failed save leaves the previous checkpoints untouched (its partial folder is a leftover the next start removes)."""
     extras = extras or CheckpointExtras()
+    if extras.save:  # another way of saving (asynchronous: common/features/async_checkpoint.py)
+        return extras.save(accelerator, output_dir, step, save_total_limit, extras)
     root = os.path.join(output_dir, CHECKPOINT_DIR)
     path, partial = os.path.join(root, f"step_{step}"), os.path.join(root, f"{LEFTOVER_PREFIX}step_{step}")
     if extras.can_save and not extras.can_save(accelerator, f"checkpoint {path}"):
@@ -111,19 +113,16 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, step: int, save_t
     files = extras.record_files(accelerator, partial) if extras.record_files else None
     if accelerator.is_main_process:
         marker = {"step": step, "metrics_rows": count_rows(os.path.join(output_dir, METRICS_FILE))}
-        publish(partial, path, {**marker, "files": files} if files is not None else marker)
-        for old in complete_checkpoints(output_dir)[:-save_total_limit] if save_total_limit else []:
-            discard(old)
+        publish(partial, path, {**marker, "files": files} if files is not None else marker, save_total_limit)
     accelerator.wait_for_everyone()
     logger.info(f"Saved checkpoint {path}")
     return path
 
 
-def publish(partial: str, path: str, marker: dict) -> None:
-    """Flush the finished save to disk, mark it complete, and rename it into place (atomic on POSIX filesystems).
-
-    The fsyncs make the marker mean "complete" even if the node loses power right after.
-    """
+def publish(partial: str, path: str, marker: dict, save_total_limit: int | None) -> None:
+    """Flush the finished save to disk, mark it complete, rename it into place (atomic on POSIX filesystems), then
+    prune the oldest complete checkpoints beyond `save_total_limit`. The fsyncs make the marker mean "complete" even
+    if the node loses power right after."""
     for folder, _, files in os.walk(partial):
         for name in files:
             fsync_path(os.path.join(folder, name))
@@ -135,6 +134,9 @@ def publish(partial: str, path: str, marker: dict) -> None:
         discard(path)
     os.replace(partial, path)
     fsync_path(os.path.dirname(path))
+    if save_total_limit:
+        for old in complete_checkpoints(os.path.dirname(os.path.dirname(path)))[:-save_total_limit]:
+            discard(old)
 
 
 def find_checkpoint_to_resume(output_dir: str, value: str | None, accelerator: Accelerator | None = None,
@@ -163,7 +165,8 @@ def find_checkpoint_to_resume(output_dir: str, value: str | None, accelerator: A
             if value == "latest":
                 stop(f"--resume_from_checkpoint latest: {path} is damaged: {problem}; --resume_from_checkpoint auto "
                      "resumes the newest checkpoint that verifies")
-            warn(accelerator, f"Skipping checkpoint {path}: {problem}; trying the one before it")
+            if accelerator is None or accelerator.is_main_process:
+                logging.getLogger(__name__).warning(f"Skipping checkpoint {path}: {problem}; trying the one before it")
             damaged.append(f"{os.path.basename(path)}: {problem}")
         if damaged:
             stop(f"--resume_from_checkpoint auto: no checkpoint under {root} verifies ({'; '.join(damaged)}); remove "
@@ -176,9 +179,3 @@ def find_checkpoint_to_resume(output_dir: str, value: str | None, accelerator: A
         stop(f"--resume_from_checkpoint {value} is damaged: {problem}; resume another checkpoint "
              "(--resume_from_checkpoint auto takes the newest one that verifies)")
     return value or None
-
-
-def warn(accelerator: Accelerator | None, line: str) -> None:
-    """One warning line, from the main process."""
-    if accelerator is None or accelerator.is_main_process:
-        logging.getLogger(__name__).warning(line)

@@ -75,10 +75,7 @@ class MetricsWriter:
     def keep_rows_before(self, step: int, rows: int | None) -> None:
         """A resumed run re-logs what came after its checkpoint (a fresh start: everything): keep only the rows written
         before the checkpoint was saved (the first `rows`, as its marker recorded; else those up to `step`), so each
-        step appears once.
-
-        The file is replaced atomically: a kill here leaves the old file or the new one, never an empty one.
-        """
+        step appears once. Replaced atomically: a kill here leaves the old file or the new one, never an empty one."""
         with open(self.path, encoding="utf-8") as f:
             lines = [line for line in f if line.endswith("\n")][:rows]  # a line cut short by a kill has no newline
         kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]

@@ -31,6 +31,12 @@ def prepared_optimizers_and_schedulers(accelerator: Accelerator) -> tuple[list, 
             [getattr(s, "scheduler", s) for s in accelerator._schedulers])
 
 
+def prepared_dataloaders_and_registered_objects(accelerator: Accelerator) -> tuple[list, list]:
+    """What `save_state` writes besides models and optimizers: the prepared dataloaders and the objects
+    `register_for_checkpointing` took (accelerate 1.15: `_dataloaders`, `_custom_objects`; no accessor)."""
+    return accelerator._dataloaders, accelerator._custom_objects
+
+
 def set_last_lr(scheduler, lrs: list[float]) -> None:
     """What `get_last_lr()` returns after a resume recomputed the rates (torch 2.13 LRScheduler: no setter)."""
     scheduler._last_lr = lrs

@@ -53,6 +53,8 @@ from common.runtime import build_accelerator
 from common.steps import TrainingProgress, count_optimizer_steps, optimizer_step_windows, track_progress
 from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
                                                reduce_activation_memory)  # feature: activation memory
+from common.features.async_checkpoint import (add_async_checkpoint_args, save_in_background,
+                                              wait_for_checkpoint)  # feature: async checkpoint
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
                                      compile_model)  # feature: torch compile
@@ -80,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
     add_compile_args(parser)  # feature: torch compile
+    add_async_checkpoint_args(parser)  # feature: async checkpoint
     add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
@@ -126,6 +129,7 @@ def main() -> None:
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
     extras.can_save = finite_weights  # feature: divergence guard
+    extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
     extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
@@ -133,6 +137,7 @@ def main() -> None:
         status = train_with_largest_batch(args, config, accelerator, progress, resume_from, extras)
     else:
         status = train(args, config, accelerator, progress, resume_from, extras)
+    wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)
     sys.exit(status)
 
@@ -199,6 +204,13 @@ def exporter(args):
     export = explain_full_disk(export)  # feature: full disk
     export = export_if_finite(export)  # feature: divergence guard
     return export
+
+
+def export_merged(args, accelerator, tokenizer, head: dict) -> None:  # feature: lora
+    """--merge_adapter: the adapter merged into a full-precision copy of the base, in <output_dir>/merged."""
+    merge = partial(export_merged_model, **head)  # the classifier's head settings
+    merge = explain_full_disk(merge)  # feature: full disk
+    merge(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification, args.model_name_or_path)
 
 
 def build_dataloaders(args, accelerator, tokenizer, data, max_length: int):
@@ -290,9 +302,11 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
             if checkpoint is None:
                 return DIVERGED_STATUS
         if stop:
+            wait_for_checkpoint(extras)  # feature: async checkpoint
             announce_stop(step, checkpoint)  # feature: preemption
             return STOPPED_STATUS
     log.close()
+    wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation and export (the last model, or the best one already exported) ----------------------------
     last_metrics = evaluate(model, eval_dataloader, accelerator, len(label_names))
@@ -301,9 +315,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
         if not export(accelerator, model, tokenizer, args.output_dir):
             return DIVERGED_STATUS
     if args.use_peft and args.merge_adapter:  # feature: lora
-        merge = partial(export_merged_model, **head)  # the classifier's head settings
-        merge = explain_full_disk(merge)  # feature: full disk
-        merge(accelerator, tokenizer, args.output_dir, AutoModelForSequenceClassification, args.model_name_or_path)
+        export_merged(args, accelerator, tokenizer, head)
     exported_step, exported = best.exported(progress.step, last_metrics)
     results = {**exported, "exported_step": exported_step, "train_steps": progress.step,
                "train_runtime": train_runtime, "padding_fraction": log.padding_fraction,

@@ -43,6 +43,8 @@ from common.runtime import build_accelerator
 from common.steps import count_optimizer_steps, optimizer_step_windows
 from common.features.activation_memory import (add_activation_memory_args, check_activation_memory,
                                                reduce_activation_memory)  # feature: activation memory
+from common.features.async_checkpoint import (add_async_checkpoint_args, save_in_background,
+                                              wait_for_checkpoint)  # feature: async checkpoint
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
 from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
 from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
@@ -69,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
     add_compile_args(parser)  # feature: torch compile
+    add_async_checkpoint_args(parser)  # feature: async checkpoint
     add_activation_memory_args(parser)  # feature: activation memory
     add_chunked_loss_args(parser)  # feature: chunked loss
     add_streaming_args(parser)  # feature: streaming
@@ -113,9 +116,11 @@ def main() -> None:
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
     extras.can_save = finite_weights  # feature: divergence guard
+    extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
     # None: a fresh start (with checksums: every file of the checkpoint is checked first).
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     status = train(args, config, accelerator, resume_from, extras)
+    wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)  # after train() has returned: its model is gone
     sys.exit(status)
 
@@ -149,7 +154,6 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs, unit="blocks")
     record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
-
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
     model = build_model(args, config, len(tokenizer))
     total_params = count_parameters(model)[1]
@@ -210,11 +214,12 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
             if checkpoint is None:
                 return DIVERGED_STATUS  # a non-finite weight: nothing saved, the reason printed
         if stop:
+            wait_for_checkpoint(extras)  # feature: async checkpoint
             announce_stop(step, checkpoint)  # feature: preemption
             return STOPPED_STATUS
     log.close()
+    wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
-
     # ---- final evaluation and export --------------------------------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)

@@ -27,9 +27,11 @@ def test_the_workarounds_were_written_for_the_pinned_and_installed_versions():
 
 
 def test_accelerate_has_no_public_list_of_prepared_objects_or_hooks():
-    """prepared_models, prepared_optimizers_and_schedulers, save_state_pre_hooks."""
+    """prepared_models, prepared_optimizers_and_schedulers, save_state_pre_hooks,
+    prepared_dataloaders_and_registered_objects."""
     public = {name for name in dir(Accelerator) if not name.startswith("_")}
-    wanted = {"models", "optimizers", "schedulers", "prepared_models", "save_state_pre_hooks"}
+    wanted = {"models", "optimizers", "schedulers", "prepared_models", "save_state_pre_hooks", "dataloaders",
+              "custom_objects", "registered_objects"}
     assert not public & wanted, f"accelerate now offers {public & wanted}: use it in common/upstream.py's callers"
 
 

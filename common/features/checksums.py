@@ -55,19 +55,22 @@ def _processes(accelerator: Accelerator | None) -> tuple[int, int]:
     return (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
 
 
-def record_files(accelerator: Accelerator, folder: str) -> dict[str, dict] | None:
+def record_files(accelerator: Accelerator | None, folder: str) -> dict[str, dict] | None:
     """Size and checksum of every file of a finished save, `{name: {"bytes": n, "xxh3_64": hex}}`, for the marker.
 
-    Collective: every process checksums its share; the main process gets the whole record, the others None.
+    Collective: every process checksums its share; the main process gets the whole record, the others None. Without
+    an accelerator (a background writer, common/features/async_checkpoint.py) this process checksums every file.
     """
-    names = [checkpoint_files(folder) if accelerator.is_main_process else None]
-    broadcast_object_list(names)  # the main process's listing is the one it publishes
+    main = accelerator is None or accelerator.is_main_process
+    names = [checkpoint_files(folder) if main else None]
+    if accelerator is not None:
+        broadcast_object_list(names)  # the main process's listing is the one it publishes
     sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in names[0]}
     index, count = _processes(accelerator)
     mine = [(name, {"bytes": sizes[name], CHECKSUM: file_checksum(os.path.join(folder, name))})
             for name in share(sizes, index, count)]
     everything = gather_object([mine]) if count > 1 else [mine]
-    return dict(sorted(item for part in everything for item in part)) if accelerator.is_main_process else None
+    return dict(sorted(item for part in everything for item in part)) if main else None
 
 
 def recorded_files(folder: str) -> tuple[dict[str, dict] | None, str | None]:
