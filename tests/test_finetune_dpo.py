@@ -1,0 +1,212 @@
+"""Preference training (scripts/finetune_dpo.py): the tokenization, each loss and its gradient against a plain-torch
+computation written here, the exact loss under accumulation and processes, the three references equal where they
+must be, and learning on held-out pairs of the built-in task.
+
+Tolerances: float32 throughout; a loss and its gradient computed two ways agree to 1e-6 (summation order); weights
+after 3 AdamW steps to WEIGHT_TOL = 1e-5 (as tests/test_finetune_causal_lm.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import launcher, read_metrics, run_script, train_losses
+from safetensors.torch import load_file
+from test_finetune_causal_lm import load_script, max_difference
+
+WEIGHT_TOL = 1e-5
+LR = "1e-3"
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory) -> dict[str, str]:
+    """A tiny Llama with its own byte-level BPE tokenizer (dropout in its attention, which the recipe turns off), and
+    prompt/chosen/rejected rows of very uneven lengths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.inputs.data import train_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("dpo")
+    rng = random.Random(0)
+
+    def text(*lengths) -> str:
+        return " " + " ".join(rng.choice(WORDS) for _ in range(rng.choice(lengths)))
+
+    rows = [{"prompt": "Q:" + text(*range(1, 40)) + "\nA:", "chosen": text(1, 2, 3, 20, 40),
+             "rejected": text(1, 2, 5, 30)} for _ in range(48)]
+    paths = {"dir": str(d)}
+    for split, part in (("train", rows[:40]), ("validation", rows[40:])):
+        paths[split] = str(d / f"{split}.jsonl")
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    tokenizer = train_bpe_tokenizer([r["prompt"] + r["chosen"] + r["rejected"] for r in rows], 300)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         attention_dropout=0.1, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    paths["model"] = str(d / "base")
+    LlamaForCausalLM(config).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    return paths
+
+
+def rows_of(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_dpo(dpo: dict, out: str, *args: str, launcher: list[str] | None = None, steps: int = 3) -> str:
+    run_script("finetune_dpo.py", "--model_name_or_path", dpo["model"], "--train_file", dpo["train"],
+               "--validation_file", dpo["validation"], "--output_dir", out, "--max_steps", str(steps),
+               "--learning_rate", LR, "--logging_steps", "1", "--seed", "0", *args, launcher=launcher)
+    return out
+
+
+def weights(folder: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def plain_sequence_logps(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """One unpadded sequence through the model alone: the summed log-probability of its response tokens."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    log_probs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+    predicted = log_probs[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+    return predicted[len(prompt_ids) - 1:].sum()
+
+
+def plain_dpo_loss(policy, reference, tokenizer, rows: list[dict], beta: float, loss_type: str) -> torch.Tensor:
+    """The mean over the pairs of TRL's losses, one sequence at a time (prompt tokens alone, response tokens
+    appended, EOS after each response)."""
+    losses = []
+    for row in rows:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        ratios = []
+        for key in ("chosen", "rejected"):
+            response = tokenizer(row[key], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            with torch.no_grad():
+                ref = plain_sequence_logps(reference, prompt, response)
+            ratio = plain_sequence_logps(policy, prompt, response) - ref
+            ratios.append(ratio / len(response) if loss_type == "ipo" else ratio)
+        delta = ratios[0] - ratios[1]
+        losses.append({"sigmoid": lambda: -F.logsigmoid(beta * delta), "hinge": lambda: torch.relu(1 - beta * delta),
+                       "ipo": lambda: (delta - 1 / (2 * beta)) ** 2}[loss_type]())
+    return torch.stack(losses).mean()
+
+
+def test_prompt_tokens_are_the_prompts_alone_and_padding_is_right(dpo):
+    """Prompt ids = the prompt tokenized alone; each response's ids follow, then EOS; labels -100 on the prompt and
+    the padding; chosen rows first; right padding; chat turns: the prompt's rendering, then what each turn adds."""
+    dpo_script = load_script("finetune_dpo")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    rows = rows_of(dpo["train"])[:3]
+    columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
+    pairs = dpo_script.tokenize_pairs(columns, [0, 1, 2], tokenizer, 512, ("prompt", "chosen", "rejected"))
+    collate = dpo_script.PairCollator(tokenizer.pad_token_id, 8)
+    batch = collate([{k: v[i] for k, v in pairs.items()} for i in range(3)])
+    assert batch["input_ids"].shape[0] == 6 and batch["input_ids"].shape[1] % 8 == 0
+    for i, (row, key) in enumerate([(r, k) for k in ("chosen", "rejected") for r in rows]):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        response = tokenizer(row[key], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        n = len(prompt) + len(response)
+        assert batch["input_ids"][i, :n].tolist() == prompt + response
+        assert batch["labels"][i].tolist() == [-100] * len(prompt) + response + [-100] * (batch["labels"].shape[1] - n)
+        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (batch["labels"].shape[1] - n)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    prompt_turns = [{"role": "user", "content": "alpha?"}]
+    prompt_ids, (chosen, rejected) = dpo_script.tokenize_prompt_and_responses(
+        tokenizer, prompt_turns, [[{"role": "assistant", "content": "beta"}], [{"role": "assistant", "content": "mu"}]])
+    assert tokenizer.decode(prompt_ids) == "<|user|>alpha?<|endoftext|><|assistant|>"
+    assert tokenizer.decode(chosen) == "beta<|endoftext|>" and tokenizer.decode(rejected) == "mu<|endoftext|>"
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_loss_and_gradient_equal_a_plain_torch_computation(dpo, loss_type):
+    """The recipe's padded 2B-row forward and loss (`dpo_forward`, with the window's pair count), against the plain
+    computation above: the same loss and the same gradient of every weight, to 1e-6 (relative where they exceed 1). The policy starts a little away
+    from the reference (one noisy copy) so that the log-ratios are not all zero."""
+    dpo_script = load_script("finetune_dpo")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    policy = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows = rows_of(dpo["train"])[:6]
+    columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
+    pairs = dpo_script.tokenize_pairs(columns, list(range(6)), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    examples = [{k: v[i] for k, v in pairs.items()} for i in range(6)]
+    collate = dpo_script.PairCollator(tokenizer.pad_token_id, 8)
+    args = type("Args", (), {"beta": 0.1, "loss_type": loss_type})
+    num_items = torch.tensor(6)
+    forward = lambda batch: dpo_script.sequence_logps(reference, batch)[0]  # noqa: E731
+    loss = sum(dpo_script.dpo_forward(policy, forward, collate(examples[i:i + 3]), args, num_items).loss
+               for i in (0, 3))  # two micro-batches of 3 pairs: each divided by the window's 6
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in policy.named_parameters()}
+    policy.zero_grad()
+    expected = plain_dpo_loss(policy, reference, tokenizer, rows, 0.1, loss_type)
+    expected.backward()
+    scale = max(g.abs().max().item() for g in grads.values())
+    assert scale > 1e-3 and expected.item() != pytest.approx(0.6931, abs=1e-3)  # real log-ratios and gradients
+    assert abs(loss.item() - expected.item()) <= 1e-6 * max(1.0, abs(expected.item()))  # relative above 1
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in policy.named_parameters()) <= 1e-6 * max(1.0, scale)
+
+
+def test_first_step_loss_and_gradient_equal_a_plain_torch_computation(dpo, tmp_path):
+    """The recipe's step 1 on the whole training set in one batch: its logged loss and its gradient equal the plain
+    computation's. The gradient is read from the exported weights: AdamW's first update is lr * g / (|g| + eps), so
+    with eps = lr = 1e6 (no weight decay, no clipping, a constant rate) it is g itself to ~1e-7 relative."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = train_dpo(dpo, str(tmp_path / "step1"), "--per_device_train_batch_size", "40", "--learning_rate", "1e6",
+                    "--adam_epsilon", "1e6", "--max_grad_norm", "0", "--lr_scheduler_type", "constant",
+                    "--warmup_steps", "0", steps=1)
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    policy = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    expected = plain_dpo_loss(policy, reference, tokenizer, rows_of(dpo["train"]), 0.1, "sigmoid")
+    expected.backward()
+    [row] = [r for r in read_metrics(out) if "loss" in r]
+    assert row["loss"] == pytest.approx(expected.item(), abs=1e-6)
+    before, after = policy.state_dict(), weights(out)
+    gradient = {name: p.grad for name, p in policy.named_parameters()}
+    assert max((before[n] - after[n] - g).abs().max().item() for n, g in gradient.items()) < 1e-6
+    norm = torch.cat([g.flatten() for g in gradient.values()]).norm().item()
+    assert row["grad_norm"] == pytest.approx(norm, rel=1e-5) and norm > 1e-2
+
+
+def test_accumulation_and_processes_give_the_same_weights(dpo):
+    """8 x 1, 2 x 4 and 2 processes x 2 x 2 train on the same pairs per step: the same losses and weights. The
+    pairs' lengths differ by up to 40 x: a mean of micro-batch means would not agree."""
+    d = dpo["dir"]
+    reference = train_dpo(dpo, f"{d}/b8", "--per_device_train_batch_size", "8")
+    runs = {
+        "2x4": train_dpo(dpo, f"{d}/b2ga4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"),
+        "2 processes x 2 x 2": train_dpo(dpo, f"{d}/ddp", "--per_device_train_batch_size", "2",
+                                         "--gradient_accumulation_steps", "2", launcher=launcher("cpu_2proc.yaml")),
+    }
+    reference_losses = train_losses(reference)
+    assert len(reference_losses) == 3 and reference_losses[1] == pytest.approx(0.6931, abs=1e-4)  # policy = reference
+    reference_rows = [r for r in read_metrics(reference) if "loss" in r]
+    for name, out in runs.items():
+        assert max_difference(weights(out), weights(reference)) < WEIGHT_TOL, name
+        assert train_losses(out) == pytest.approx(reference_losses, abs=1e-5), name
+        rows = [r for r in read_metrics(out) if "loss" in r]
+        for key in ("rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference_rows], abs=1e-4), (name, key)
+    with open(os.path.join(runs["2 processes x 2 x 2"], "all_results.json")) as f:
+        assert json.load(f)["num_processes"] == 2
