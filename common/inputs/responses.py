@@ -122,7 +122,7 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
 def build_preference_task(cache_dir: str) -> tuple[str, str]:
     """The default preference set, from the docstring task's rows: prompt = signature and docstring, chosen = the
     whole body, rejected = the body cut short (its first lines, at most half of them): an answer that stops before
-    the function is done. Bodies of one line have no shorter version and are left out."""
+    the function is done. Bodies of one line (or only blank lines in the cut) are left out."""
     sources = build_docstring_task(cache_dir)
     out_dir = os.path.join(os.path.dirname(sources[0]), "preference")
     paths = tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
@@ -139,7 +139,9 @@ def build_preference_task(cache_dir: str) -> tuple[str, str]:
                 if len(body) < 2:
                     continue
                 rejected = "".join(body[:rng.randint(1, len(body) // 2)])
-                rows.append(json.dumps({"prompt": row["prompt"], "chosen": row["completion"], "rejected": rejected}))
+                if rejected.strip():  # a body opening with blank lines may give none
+                    rows.append(json.dumps({"prompt": row["prompt"], "chosen": row["completion"],
+                                            "rejected": rejected}))
         write_jsonl(path, rows)
     return paths
 
