@@ -363,8 +363,8 @@ def build_reference(args, config, accelerator, vocab_size: int):
     its adapter disabled is the reference)."""
     if args.use_peft:  # feature: lora
         return None
-    reference = build_causal_lm(copy.copy(args), config, vocab_size, dtype=torch.float32)
-    reference.gradient_checkpointing_disable()  # no backward through it
+    unchecked = argparse.Namespace(**{**vars(args), "gradient_checkpointing": False})  # no backward through it
+    reference = build_causal_lm(unchecked, config, vocab_size, dtype=torch.float32)
     reference.requires_grad_(False)
     reference.eval()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:

@@ -250,3 +250,61 @@ def test_the_built_in_task_is_learned_on_held_out_pairs(docstring_model):
     assert evaluation["eval_pairs"] >= 25  # the held-out rows, less those whose prompt fills 192 tokens
     assert evaluation["eval_rewards/accuracies"] >= 0.8, evaluation
     assert evaluation["eval_rewards/margins"] > 0.1 and evaluation["eval_loss"] < 0.6
+
+
+def test_precomputed_reference_equals_the_live_one(dpo):
+    """--precompute_ref_log_probs (one pass of the reference before training, then freed) trains as the live
+    reference does: the same losses, rewards and weights; its values are cached under --cache_dir by model and data,
+    and a second run reads them from there."""
+    d = dpo["dir"]
+    live = train_dpo(dpo, f"{d}/live", "--per_device_train_batch_size", "4")
+    cache = os.path.join(d, "reference-cache")
+    first = train_dpo(dpo, f"{d}/precomputed", "--per_device_train_batch_size", "4", "--precompute_ref_log_probs",
+                      "--cache_dir", cache)
+    cached = sorted(n for n in os.listdir(cache) if n.startswith("dpo-reference-"))
+    assert len(cached) == 2 and all(n.endswith(".pt") for n in cached)  # train and validation, no leftover
+    stamps = [os.path.getmtime(os.path.join(cache, n)) for n in cached]
+    again = train_dpo(dpo, f"{d}/precomputed-again", "--per_device_train_batch_size", "4",
+                      "--precompute_ref_log_probs", "--cache_dir", cache)
+    assert [os.path.getmtime(os.path.join(cache, n)) for n in cached] == stamps  # read, not recomputed
+    for out in (first, again):
+        assert max_difference(weights(out), weights(live)) < WEIGHT_TOL
+        assert train_losses(out) == pytest.approx(train_losses(live), abs=1e-6)
+        final = {k: v for r in read_metrics(out) if "eval_loss" in r for k, v in r.items() if k != "time"}
+        assert final == pytest.approx({k: v for r in read_metrics(live) if "eval_loss" in r
+                                       for k, v in r.items() if k != "time"}, abs=1e-5)
+
+
+def test_the_disabled_adapter_is_the_base_model(dpo):
+    """With --use_peft the reference is the policy with its adapter disabled, no second model: its log-probabilities
+    equal those of the base loaded separately, once the adapter has moved the policy away from it."""
+    dpo_script = load_script("finetune_dpo")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = dpo_script.parse_args(["--model_name_or_path", dpo["model"], "--use_peft", "--lora_r", "4",
+                                  "--output_dir", os.path.join(dpo["dir"], "peft")])
+    accelerator = Accelerator(cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    model = accelerator.prepare(dpo_script.build_model(args, dpo_script.load_finetuning_config(args), accelerator,
+                                                       len(tokenizer)))
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter: its B matrices start at zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    rows = rows_of(dpo["train"])[:4]
+    columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
+    pairs = dpo_script.tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
+    reference = dpo_script.reference_forward(accelerator, model, None)(batch)
+    base = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = dpo_script.sequence_logps(base, batch)[0]
+        policy = dpo_script.sequence_logps(model, batch)[0]
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    assert (reference - expected).abs().max().item() < 1e-5
+    assert (policy - expected).abs().max().item() > 1e-2  # the adapter does change the policy
+    assert model.training  # the reference's pass left the policy in training mode
