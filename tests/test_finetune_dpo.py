@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import launcher, read_metrics, run_script, train_losses
+from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses
 from safetensors.torch import load_file
 from test_finetune_causal_lm import load_script, max_difference
 
@@ -308,3 +309,33 @@ def test_the_disabled_adapter_is_the_base_model(dpo):
     assert (reference - expected).abs().max().item() < 1e-5
     assert (policy - expected).abs().max().item() > 1e-2  # the adapter does change the policy
     assert model.training  # the reference's pass left the policy in training mode
+
+
+def test_a_killed_run_resumes_exactly(dpo):
+    """SIGKILL after the first checkpoint, then the same command with --resume_from_checkpoint auto: the same
+    losses, rewards and final weights as the uninterrupted run. --keep_dropout keeps the model's attention dropout
+    on (the recipe's default turns it off, as TRL does), so the resumed run must also draw the uninterrupted run's
+    dropout masks."""
+    from test_crash_safety import newest_complete_step, sigkill, start, wait_for
+
+    d = dpo["dir"]
+    flags = ["--per_device_train_batch_size", "4", "--checkpointing_steps", "2", "--keep_dropout",
+             "--resume_from_checkpoint", "auto"]
+    uninterrupted = train_dpo(dpo, f"{d}/uninterrupted", *flags, steps=6)
+    out = f"{d}/killed"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "finetune_dpo.py"), "--model_name_or_path", dpo["model"], "--train_file",
+           dpo["train"], "--validation_file", dpo["validation"], "--output_dir", out, "--max_steps", "6",
+           "--learning_rate", LR, "--logging_steps", "1", "--seed", "0", *flags]
+    proc = start(cmd, f"{d}/killed.log")
+    assert wait_for(proc, lambda: newest_complete_step(out) >= 2), open(f"{d}/killed.log").read()[-3000:]
+    sigkill(proc)
+    assert newest_complete_step(out) < 6
+    train_dpo(dpo, out, *flags, steps=6)
+    assert max_difference(weights(out), weights(uninterrupted)) == 0.0
+    rows = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    expected = {r["step"]: r for r in read_metrics(uninterrupted) if "loss" in r}
+    assert sorted(rows) == list(range(1, 7))
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen"):
+        assert [rows[s][key] for s in rows] == pytest.approx([expected[s][key] for s in rows], abs=1e-6), key
+    assert train_losses(uninterrupted)[2] != pytest.approx(train_losses(train_dpo(
+        dpo, f"{d}/no-dropout", "--per_device_train_batch_size", "4", steps=2))[2], abs=1e-6)  # dropout was on
