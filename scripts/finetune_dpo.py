@@ -372,7 +372,7 @@ def build_reference(args, config, accelerator, vocab_size: int):
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in reference.model.layers:  # sharded on the device like the policy, gathered layer by layer
+        for layer in getattr(getattr(reference, "model", None), "layers", []):  # sharded on the device as the policy
             fully_shard(layer)
         return fully_shard(reference)
     return reference.to(accelerator.device)
@@ -383,11 +383,10 @@ def prepare_zero_reference(accelerator, reference):
     forward); other stages keep a whole copy per process. No optimizer."""
     import deepspeed
 
-    plugin = accelerator.state.deepspeed_plugin
-    config = copy.deepcopy(plugin.deepspeed_config)
-    stage = config.get("zero_optimization", {}).get("stage", 0)
+    stage = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "bf16": config.get("bf16", {"enabled": False}), "fp16": config.get("fp16", {"enabled": False}),
+              "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+              "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
               "zero_optimization": {"stage": 3 if stage == 3 else 0}}
     engine, *_ = deepspeed.initialize(model=reference, config=config)
     engine.eval()
