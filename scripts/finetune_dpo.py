@@ -357,7 +357,20 @@ def evaluate_dpo(model, reference_logps, dataloader, accelerator, args) -> dict[
 
 
 # ---- the reference: a frozen copy on the run's engine, the disabled adapter, or values computed once ----------------
-def build_reference(args, config, accelerator, vocab_size: int):
+def build_reference(args, config, accelerator, model, vocab_size: int, data, collators):
+    """After `prepare`: batch -> the reference's log-probabilities (`reference_forward`); None with
+    --precompute_ref_log_probs, whose values then travel with the batches and whose reference is freed."""
+    reference = load_reference(args, config, accelerator, vocab_size)
+    forward = reference_forward(accelerator, model, reference)
+    if not args.precompute_ref_log_probs:
+        return forward
+    precompute_reference(args, accelerator, forward, data, collators)
+    del reference, forward
+    gc.collect()
+    return None
+
+
+def load_reference(args, config, accelerator, vocab_size: int):
     """A second copy of the pretrained model (never a deep copy of the policy: under ZeRO-3 and FSDP2 that copies
     shards and hooks), frozen and in eval mode, placed as the engine needs; None with --use_peft (the policy with
     its adapter disabled is the reference)."""
@@ -447,7 +460,8 @@ def reference_key(args) -> list:
     path = args.model_name_or_path
     files = sorted((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
                    for f in os.listdir(path)) if os.path.isdir(path) else []
-    return [os.path.abspath(path) if files else path, files, args.use_peft, args.load_in_4bit, args.attn_implementation]
+    peft = [getattr(args, name, None) for name in ("use_peft", "load_in_4bit")]  # none in a copy without LoRA
+    return [os.path.abspath(path) if files else path, files, *peft, args.attn_implementation]
 
 
 def disable_dropout(model) -> None:
@@ -480,12 +494,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    reference = build_reference(args, config, accelerator, len(tokenizer))
-    reference_logps = reference_forward(accelerator, model, reference)
-    if args.precompute_ref_log_probs:
-        precompute_reference(args, accelerator, reference_logps, data, collators)
-        reference = reference_logps = None  # the values travel with the batches: the reference is freed
-        gc.collect()
+    reference_logps = build_reference(args, config, accelerator, model, len(tokenizer), data, collators)
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("finetune_dpo", vars(args)))
     rewards = PairMetrics(accelerator)
