@@ -499,8 +499,8 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                                      trackers=("finetune_dpo", vars(args)))
     rewards = PairMetrics(accelerator)
     log.row_extras = rewards.row
-    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; reference: "
-                f"{'precomputed' if args.precompute_ref_log_probs else 'the adapter disabled' if args.use_peft else 'a frozen copy'}; "
+    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; reference "
+                f"{'precomputed' if args.precompute_ref_log_probs else 'live'}; "
                 f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in all; global batch "
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes} pairs")
 

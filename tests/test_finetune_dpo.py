@@ -364,3 +364,19 @@ def test_a_killed_run_resumes_exactly(dpo):
         assert [rows[s][key] for s in rows] == pytest.approx([expected[s][key] for s in rows], abs=1e-6), key
     assert train_losses(uninterrupted)[2] != pytest.approx(train_losses(train_dpo(
         dpo, f"{d}/no-dropout", "--per_device_train_batch_size", "4", steps=2))[2], abs=1e-6)  # dropout was on
+
+
+def test_a_copy_without_its_features_trains_exactly_as_the_original(dpo, one_process, tmp_path):
+    """tools/copy_recipe.py removes every `# feature:` line (LoRA, checksums, the divergence guard, ...): the copy
+    imports no feature and trains bit for bit as the original does without those flags."""
+    from tools.copy_recipe import common_modules, strip_features
+
+    copy = tmp_path / "my_dpo.py"
+    copy.write_text(strip_features(open(os.path.join(SCRIPTS, "finetune_dpo.py")).read()))
+    assert not any(".features" in name for name in common_modules(copy.read_text()))
+    run_script(str(copy), "--model_name_or_path", dpo["model"], "--train_file", dpo["train"], "--validation_file",
+               dpo["validation"], "--output_dir", str(tmp_path / "copy"), "--max_steps", "3", "--learning_rate", LR,
+               "--logging_steps", "1", "--seed", "0", "--per_device_train_batch_size", "8",
+               env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
+    assert train_losses(str(tmp_path / "copy")) == train_losses(one_process)
+    assert max_difference(weights(str(tmp_path / "copy")), weights(one_process)) == 0
