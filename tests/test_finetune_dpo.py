@@ -380,3 +380,27 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(dpo, one_pro
                env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
     assert train_losses(str(tmp_path / "copy")) == train_losses(one_process)
     assert max_difference(weights(str(tmp_path / "copy")), weights(one_process)) == 0
+
+
+def test_qlora_trains_against_its_disabled_adapter_and_exports_merged(dpo, tmp_path):
+    """QLoRA (4-bit base) with --merge_adapter: the reference is the 4-bit base with the adapter disabled, so step 1
+    is exactly log 2 (the adapter starts at zero); the loss then moves; the adapter is exported, and the merged model
+    (a full-precision base + the adapter) loads with the model class alone and scores the pairs like the base moved by
+    the adapter: its log-probabilities differ from the base's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dpo_script = load_script("finetune_dpo")
+    out = train_dpo(dpo, str(tmp_path / "qlora"), "--per_device_train_batch_size", "4", "--use_peft",
+                    "--load_in_4bit", "--lora_r", "4", "--merge_adapter", "--learning_rate", "1e-2")
+    losses = train_losses(out)
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-6) and losses[3] != pytest.approx(losses[1], abs=1e-3)
+    assert os.path.isfile(os.path.join(out, "adapter_model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    rows = rows_of(dpo["validation"])[:4]
+    columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
+    pairs = dpo_script.tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
+    with torch.no_grad():
+        merged, base = (dpo_script.sequence_logps(AutoModelForCausalLM.from_pretrained(path).eval(), batch)[0]
+                        for path in (os.path.join(out, "merged"), dpo["model"]))
+    assert torch.isfinite(merged).all() and (merged - base).abs().max().item() > 1e-3
