@@ -156,6 +156,9 @@ def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
         "lora": {"flags": ["--use_peft"], "skip": "--use_peft is a fine-tuning flag" if pretraining else None},
         "qlora": {"flags": ["--use_peft", "--load_in_4bit"],
                   "skip": "--use_peft is a fine-tuning flag" if pretraining else None},
+        # DPO's reference: live (baseline), its values computed once before training, or the adapter disabled (lora)
+        "precompute_ref": {"flags": ["--precompute_ref_log_probs"],
+                           "skip": None if args.script.endswith("finetune_dpo.py") else "a finetune_dpo.py flag"},
     }
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
     import yaml

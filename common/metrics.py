@@ -129,7 +129,7 @@ class StepLog:
         self.peak_flops = peak_flops_per_device() if flops_per_token else None
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
                         disable=not accelerator.is_local_main_process)
-        self.last_row = {}
+        self.last_row, self.row_extras = {}, dict  # row_extras(): a recipe's own figures for a row (collective)
         self.run_padding = self.run_positions = 0
         self._reset()
 
@@ -169,7 +169,7 @@ class StepLog:
                "loss": self.loss_sum / self.loss_steps if self.loss_steps else None, "lr": lr, "grad_norm": grad_norm,
                "skipped_nonfinite_steps": self.skipped,
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),
-               "peak_memory_bytes": peak_memory_bytes()}
+               "peak_memory_bytes": peak_memory_bytes(), **self.row_extras()}
         if self.peak_flops:
             row["mfu"] = tokens_per_second / acc.num_processes * self.flops_per_token / self.peak_flops
         if torch.cuda.is_available():  # what the caching allocator holds: the process's real GPU footprint

@@ -17,14 +17,10 @@ of micro-batch means.
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
-import hashlib
-import json
 import math
 import os
 import sys
-import textwrap
 import time
 from functools import partial
 
@@ -46,10 +42,11 @@ from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.cache import cached_folder
-from common.inputs.data import build_default_corpus, check_data_files, get_tokenizer, load_raw_datasets
+from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
+from common.inputs.responses import (build_docstring_task, chat_problem, render_chat,
+                                     tokenize_with_response_labels)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -78,7 +75,6 @@ from common.features.sequence_parallel import refuse_sequence_parallel  # featur
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -369,56 +365,6 @@ def find_untrainable_row(raw, args) -> tuple[str, int, str] | None:
     return None
 
 
-def chat_problem(messages, column: str) -> str | None:
-    """What makes a row's chat turns untrainable, or None."""
-    if not messages:
-        return f"has no chat turns in '{column}'"
-    for number, message in enumerate(messages, 1):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in CHAT_ROLES:
-            return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
-    if not any(message["role"] == "assistant" for message in messages):
-        return "has no assistant turn: nothing in it to learn"
-    return None
-
-
-def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as the chat template writes it, and the character spans of the assistant turns.
-
-    A turn's span runs from the end of the conversation rendered up to it (with the generation prompt, e.g.
-    `<|im_start|>assistant\\n`) to the end of the conversation rendered through it (its end-of-turn token included).
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not (text.startswith(before) and text.startswith(through)):
-            fail("the chat template renders a conversation differently from its beginning (it may rewrite earlier "
-                 "turns), so the assistant turns cannot be located; give prompt/completion columns instead")
-        spans.append((len(before), len(through)))
-    return text, spans
-
-
-def tokenize_with_response_labels(tokenizer, text: str, spans: list[tuple[int, int]], plain_text: bool
-                                  ) -> tuple[list[int], list[int]]:
-    """Token ids, and labels that keep the tokens overlapping a response span (-100 elsewhere).
-
-    Plain prompt + completion text gets the tokenizer's special tokens (e.g. BOS) and an EOS after the response, so
-    the model learns to stop; a chat template writes its own special tokens.
-    """
-    enc = tokenizer(text, add_special_tokens=plain_text, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    labels = [t if any(a < end and b > start for start, end in spans) else -100
-              for t, (a, b) in zip(ids, enc["offset_mapping"])]
-    if plain_text and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-        labels.append(tokenizer.eos_token_id)
-    return ids, labels
-
-
 @torch.no_grad()
 def check_packing(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Stop unless the model, with its attention implementation, keeps packed examples apart: the second of two
@@ -443,38 +389,6 @@ def check_packing(accelerator: Accelerator, model: torch.nn.Module) -> None:
                            f"{attention_implementation(module.config)} lets packed examples attend to each other "
                            f"(logits differ by {difference:.2g}); use --attn_implementation flash_attention_2 or "
                            "drop --packing")
-
-
-def build_docstring_task(cache_dir: str) -> tuple[str, str]:
-    """The default SFT set: prompt = a documented function's signature and docstring, completion = its body, from
-    the same standard-library sources (and train/validation split) as the pretraining default corpus."""
-    corpus = build_default_corpus(cache_dir)
-    out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
-    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task")
-    return tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
-
-
-def write_docstring_task(corpus: dict[str, str], out_dir: str) -> None:
-    paths = tuple(os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation"))
-    for split, path in zip(("train", "validation"), paths):
-        rows = []
-        with open(corpus[split], encoding="utf-8") as f:
-            for line in f:
-                source = json.loads(line)["text"]
-                try:
-                    tree = ast.parse(source)
-                except (SyntaxError, ValueError):
-                    continue
-                lines = source.splitlines(keepends=True)
-                for node in ast.walk(tree):
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) \
-                            and len(node.body) > 1:
-                        function = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).splitlines(True)
-                        cut = node.body[0].end_lineno - node.lineno + 1  # lines through the docstring
-                        rows.append(json.dumps({"prompt": "".join(function[:cut]),
-                                                "completion": "".join(function[cut:])}))
-        with open(path, "w", encoding="utf-8") as f:  # into the entry's temporary folder (common/inputs/cache.py)
-            f.write("\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -189,9 +189,13 @@ FAST = {
     "test_crash_safety.py": {"test_leftovers_are_ignored_by_latest_and_cleaned_and_pruning_keeps_the_newest",
                              "test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_latest",
                              "test_the_processes_share_the_checksums_evenly"},
-    "test_bad_inputs.py": {"test_the_checks_only_check", "test_output_dir_holding_what_the_run_loads_is_one_line"},
+    "test_bad_inputs.py": {"test_the_checks_only_check", "test_output_dir_holding_what_the_run_loads_is_one_line",
+                           "test_bad_preference_rows_are_one_line_before_any_work"},
     "test_configs.py": {"test_deepspeed_json_is_all_auto_and_valid", "test_contradicting_json_fails_in_one_line",
                         "test_zero_partitioning_follows_the_paper", "test_activations"},
+    "test_finetune_dpo.py": {"test_prompt_tokens_are_the_prompts_alone_and_padding_is_right",
+                             "test_loss_and_gradient_equal_a_plain_torch_computation",
+                             "test_the_disabled_adapter_is_the_base_model"},
     "test_finetune_causal_lm.py": {"test_prompt_tokens_are_masked_and_eos_is_learned",
                                    "test_chat_template_trains_on_assistant_turns_only"},
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base"},
@@ -219,9 +223,10 @@ def pytest_configure(config) -> None:
 # the two workers end on short files, together, not one on a 2-minute file alone.
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_chunked_loss.py", "test_preemption.py",
                  "test_gpu_suite.py", "test_async_checkpoint.py", "test_distributed.py", "test_lora_engines.py",
-                 "test_pretrain.py", "test_bad_inputs.py", "test_lora.py", "test_crash_safety.py", "test_init_parity.py",
-                 "test_finetune_classifier.py", "test_resume_guard.py", "test_faults.py", "test_benchmark.py",
-                 "test_finetune_causal_lm.py", "test_compile.py", "test_activation_memory.py", "test_fsdp.py")
+                 "test_pretrain.py", "test_finetune_dpo.py", "test_bad_inputs.py", "test_lora.py", "test_crash_safety.py",
+                 "test_init_parity.py", "test_finetune_classifier.py", "test_resume_guard.py", "test_faults.py",
+                 "test_benchmark.py", "test_finetune_causal_lm.py", "test_compile.py", "test_activation_memory.py",
+                 "test_fsdp.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

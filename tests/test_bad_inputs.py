@@ -296,3 +296,38 @@ def test_unreadable_json_lines_name_the_file(capsys, tmp_path, train, validation
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars come first
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err
+
+
+USER = {"role": "user", "content": "alpha?"}
+ANSWER = {"role": "assistant", "content": "beta"}
+TEXT_PAIR = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+CHAT_PAIR = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "mu"}]}
+
+
+@pytest.mark.parametrize("rows,problem", [
+    ([{"prompt": "Q", "chosen": "a"}], "no column 'rejected' in the train split (columns: prompt, chosen); set "
+                                       "--rejected_column"),
+    ([TEXT_PAIR, {"prompt": "Q", "chosen": " ", "rejected": "b"}],
+     "--train_file {rows}: row 2 has an empty 'chosen' response"),
+    ([TEXT_PAIR, {"prompt": "Q", "chosen": "b", "rejected": "b"}],
+     "--train_file {rows}: row 2 has the same 'chosen' and 'rejected': nothing to prefer"),
+    ([CHAT_PAIR, {"prompt": [USER], "chosen": [USER], "rejected": [ANSWER]}],
+     "--train_file {rows}: row 2 has no assistant turn: nothing in it to learn"),
+    ([{"prompt": "Q", "chosen": [ANSWER], "rejected": [ANSWER]}],
+     "--train_file {rows}: row 1 mixes plain text and chat turns in 'prompt', 'chosen', 'rejected'"),
+], ids=["missing-column", "empty-response", "chosen-is-rejected", "chat-without-answer", "text-and-chat"])
+def test_bad_preference_rows_are_one_line_before_any_work(capsys, tmp_path, rows, problem):
+    """scripts/finetune_dpo.py checks its rows before it loads the tokenizer or a model: a pair it cannot train on
+    is one line naming the file and the row."""
+    import json
+
+    dpo = load_script("finetune_dpo")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = dpo.parse_args(["--model_name_or_path", "unused", "--train_file", str(path), "--validation_file",
+                           str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit) as exc:
+        dpo.load_preference_data(args, None, None, None)  # no accelerator, no model: it stops before either is used
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err

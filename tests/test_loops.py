@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ("pretrain_llama", "finetune_causal_lm", "finetune_classifier")
+RECIPES = ("pretrain_llama", "finetune_causal_lm", "finetune_classifier", "finetune_dpo")
 # A statement mentioning one of these is a loss line: how a recipe turns a batch into its loss may differ.
 LOSS_MARKERS = ("num_items", "outputs", "backward_loss", "window_loss +=", "loss = model(")
 

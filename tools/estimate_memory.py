@@ -6,6 +6,7 @@
     python tools/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
     python tools/estimate_memory.py --model_preset 8b --vocab_size 128256 --gpu_memory_gb 24 --micro_batch_size 2 \
         --use_peft      # + a table: full fine-tuning vs LoRA vs QLoRA on one GPU
+    python tools/estimate_memory.py --model_preset 1b --gpu_memory_gb 80 --dpo   # + DPO: policy + reference
 
 Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed precision, AdamW):
 - Plain PyTorch with autocast (single_gpu.yaml, multi_gpu.yaml): fp32 weights 4 + fp32 gradients 4 + Adam m and v 8
@@ -38,6 +39,10 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   bf16; plus the adapter (rank r on every linear layer but the head: r x (inputs + outputs) parameters each) with
   fp32 weights, gradients and AdamW m and v: 16 per adapter parameter; plus, for QLoRA, one linear layer dequantized
   to bf16 at a time. Activations as above: the backward pass still runs through the frozen layers.
+- DPO (--dpo adds its table; one GPU or DDP): the policy as above with 2 x micro-batch rows (chosen and rejected in
+  one forward), plus the reference: live, a frozen fp32 copy (4 per parameter; fp32 so that both models compute alike)
+  and its no-grad forward's logits (6 bytes per token per vocabulary entry, one micro-batch at a time); precomputed
+  (--precompute_ref_log_probs), nothing during training; with LoRA / QLoRA, nothing (the adapter disabled).
 A config "fits" when its per-GPU total stays under 90% of the GPU's memory (the rest: CUDA context, allocator
 fragmentation, communication buffers), and its host total under 90% of --host_memory_gb when that is given. The
 pick is the first fitting row (rows run fastest first), preferring activation checkpointing (~20-30% slower) to
@@ -250,6 +255,30 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     return lines
 
 
+def dpo_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
+    """The --dpo table: policy + reference per GPU holding both whole (one GPU, DDP), 2 x micro-batch rows."""
+    rows = 2 * args.micro_batch_size
+    acts = [activation_bytes(shape, args.seq_len, rows, ckpt, args.attn_implementation != "eager",
+                             args.chunked_cross_entropy) for ckpt in (False, True)]
+    reference_logits = args.seq_len * args.micro_batch_size * 2 * shape.vocab * 6  # bf16 logits + their fp32 copy
+    methods = adapter_options(shape, args.lora_r, args.use_bnb_nested_quant)
+    table = [("full, live reference", "", methods[0][3], 4 * shape.params + reference_logits),
+             ("full, precomputed reference", "`--precompute_ref_log_probs`", methods[0][3], 0),
+             ("LoRA (reference: adapter disabled)", f"`{methods[1][1]}`", methods[1][2] + methods[1][3], 0),
+             ("QLoRA (reference: adapter disabled)", f"`{methods[2][1]}`", methods[2][2] + methods[2][3], 0)]
+    lines = ["", f"DPO, {args.micro_batch_size} pairs per micro-batch ({rows} rows), per GPU holding the policy and "
+             "the reference whole (one GPU, DDP):", "",
+             "| method | flags | policy states | reference | activations (plain / checkpointed) "
+             "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
+    for method, flags, policy, reference in table:
+        totals = [policy + reference + a for a in acts]
+        verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
+            totals[1], args.gpu_memory_gb * GB) else "no"
+        lines.append(f"| {method} | {flags} | {policy / GB:.1f} GB | {reference / GB:.1f} GB | {acts[0] / GB:.1f} / "
+                     f"{acts[1] / GB:.1f} GB | {totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB | {verdict} |")
+    return lines
+
+
 def fits(total: float | None, limit: float) -> bool:
     return total is not None and total <= HEADROOM * limit
 
@@ -305,6 +334,8 @@ def report(args: argparse.Namespace) -> str:
                      + ("." if acts else " (model states only: activations come on top)."))
     if args.use_peft:
         lines += adapter_report(args, shape)
+    if args.dpo:
+        lines += dpo_report(args, shape)
     if args.activation_modes and acts:
         method, _, base, trained = adapter_options(shape, args.lora_r, args.use_bnb_nested_quant)[
             2 if args.use_peft else 0]
@@ -332,6 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--activation_modes", action="store_true",
                         help="Add a table: activations and the longest sequence per activation-memory mode (full "
                              "fine-tuning on one GPU, or QLoRA with --use_peft).")
+    parser.add_argument("--dpo", action="store_true",
+                        help="Add a table: DPO (scripts/finetune_dpo.py) with its live, precomputed or LoRA reference.")
     peft = parser.add_argument_group("LoRA / QLoRA (adds a table: full fine-tuning vs LoRA vs QLoRA)")
     peft.add_argument("--use_peft", action="store_true", help="Also estimate LoRA and QLoRA fine-tuning.")
     peft.add_argument("--use_bnb_nested_quant", action="store_true", help="QLoRA's scales quantized too.")
@@ -339,8 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not (args.params or args.model_preset or args.config_name):
         fail("give --params, --model_preset or --config_name")
-    if args.use_peft and args.params:
-        fail("--use_peft needs the model's layers: give --model_preset or --config_name instead of --params")
+    if (args.use_peft or args.dpo) and args.params:
+        fail("--use_peft and --dpo need the model's layers: give --model_preset or --config_name instead of --params")
     if args.lora_r < 1:
         fail(f"--lora_r must be >= 1 (got {args.lora_r})")
     for name in ("num_gpus", "seq_len", "micro_batch_size"):

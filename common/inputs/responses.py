@@ -1,0 +1,158 @@
+"""Prompt/response data, shared by supervised fine-tuning and preference training: chat turns rendered with the
+tokenizer's chat template, token ids with response labels (-100 elsewhere), and the default tasks built from this
+Python's standard library (write a function's body from its signature and docstring)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import random
+import textwrap
+from functools import partial
+
+from common.errors import fail
+from common.inputs.cache import cached_folder
+from common.inputs.data import build_default_corpus
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def chat_problem(messages, column: str) -> str | None:
+    """What makes a row's chat turns untrainable, or None."""
+    if not messages:
+        return f"has no chat turns in '{column}'"
+    for number, message in enumerate(messages, 1):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
+    if not any(message["role"] == "assistant" for message in messages):
+        return "has no assistant turn: nothing in it to learn"
+    return None
+
+
+def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template writes it, and the character spans of the assistant turns.
+
+    A turn's span runs from the end of the conversation rendered up to it (with the generation prompt, e.g.
+    `<|im_start|>assistant\\n`) to the end of the conversation rendered through it (its end-of-turn token included).
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (text.startswith(before) and text.startswith(through)):
+            fail("the chat template renders a conversation differently from its beginning (it may rewrite earlier "
+                 "turns), so the assistant turns cannot be located; give prompt/completion columns instead")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def tokenize_with_response_labels(tokenizer, text: str, spans: list[tuple[int, int]], plain_text: bool
+                                  ) -> tuple[list[int], list[int]]:
+    """Token ids, and labels that keep the tokens overlapping a response span (-100 elsewhere).
+
+    Plain prompt + completion text gets the tokenizer's special tokens (e.g. BOS) and an EOS after the response, so
+    the model learns to stop; a chat template writes its own special tokens.
+    """
+    enc = tokenizer(text, add_special_tokens=plain_text, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    labels = [t if any(a < end and b > start for start, end in spans) else -100
+              for t, (a, b) in zip(ids, enc["offset_mapping"])]
+    if plain_text and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    return ids, labels
+
+
+def tokenize_prompt_and_responses(tokenizer, prompt, responses: list) -> tuple[list[int], list[list[int]]]:
+    """The prompt's token ids, and each response's, tokenized apart: a response's tokens follow the prompt's as they
+    are (joining the strings first could merge tokens across the boundary and move it).
+
+    Plain text: the prompt gets the tokenizer's special tokens (e.g. BOS), each response an EOS. Chat turns (lists):
+    the prompt is its turns rendered with the generation prompt, a response what the template adds for its turns.
+    """
+    if isinstance(prompt, str):
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        return (tokenizer(prompt)["input_ids"],
+                [tokenizer(r, add_special_tokens=False)["input_ids"] + eos for r in responses])
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    response_ids = []
+    for response in responses:
+        text = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+        if not text.startswith(prompt_text):
+            fail("the chat template renders the prompt's turns differently once a response follows them, so the "
+                 "response cannot be located; give plain-text prompt/chosen/rejected columns instead")
+        response_ids.append(tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"])
+    return tokenizer(prompt_text, add_special_tokens=False)["input_ids"], response_ids
+
+
+def build_docstring_task(cache_dir: str) -> tuple[str, str]:
+    """The default SFT set: prompt = a documented function's signature and docstring, completion = its body, from
+    the same standard-library sources (and train/validation split) as the pretraining default corpus. A cache entry
+    (common/inputs/cache.py): written whole or not at all."""
+    corpus = build_default_corpus(cache_dir)
+    out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
+    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task")
+    return split_files(out_dir)
+
+
+def write_docstring_task(corpus: dict[str, str], out_dir: str) -> None:
+    for split, path in zip(("train", "validation"), split_files(out_dir)):
+        rows = []
+        with open(corpus[split], encoding="utf-8") as f:
+            for line in f:
+                source = json.loads(line)["text"]
+                try:
+                    tree = ast.parse(source)
+                except (SyntaxError, ValueError):
+                    continue
+                lines = source.splitlines(keepends=True)
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) \
+                            and len(node.body) > 1:
+                        function = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).splitlines(True)
+                        cut = node.body[0].end_lineno - node.lineno + 1  # lines through the docstring
+                        rows.append(json.dumps({"prompt": "".join(function[:cut]),
+                                                "completion": "".join(function[cut:])}))
+        write_jsonl(path, rows)
+
+
+def build_preference_task(cache_dir: str) -> tuple[str, str]:
+    """The default preference set, from the docstring task's rows: prompt = signature and docstring, chosen = the
+    whole body, rejected = the body cut short (its first lines, at most half of them): an answer that stops before
+    the function is done. Bodies of one line (or only blank lines in the cut) are left out. A cache entry too."""
+    sources = build_docstring_task(cache_dir)
+    out_dir = os.path.dirname(sources[0]).replace("docstring-sft-", "docstring-dpo-")
+    cached_folder(out_dir, partial(write_preference_task, sources), "the default preference task")
+    return split_files(out_dir)
+
+
+def write_preference_task(sources: tuple[str, str], out_dir: str) -> None:
+    rng = random.Random(0)
+    for source, path in zip(sources, split_files(out_dir)):
+        rows = []
+        with open(source, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                body = row["completion"].splitlines(keepends=True)
+                if len(body) < 2:
+                    continue
+                rejected = "".join(body[:rng.randint(1, len(body) // 2)])
+                if rejected.strip():  # a body opening with blank lines may give none
+                    rows.append(json.dumps({"prompt": row["prompt"], "chosen": row["completion"],
+                                            "rejected": rejected}))
+        write_jsonl(path, rows)
+
+
+def split_files(folder: str) -> tuple[str, str]:
+    return tuple(os.path.join(folder, f"{split}.jsonl") for split in ("train", "validation"))
+
+
+def write_jsonl(path: str, rows: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:  # inside the cache entry's temporary folder
+        f.write("\n".join(rows) + "\n")

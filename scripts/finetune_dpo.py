@@ -1,0 +1,608 @@
+#!/usr/bin/env python
+"""Preference training of a causal LM with DPO (Direct Preference Optimization), with Accelerate.
+
+    accelerate launch scripts/finetune_dpo.py --model_name_or_path outputs/docstring-to-body   # the SFT export
+    accelerate launch scripts/finetune_dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+        --train_file pairs.jsonl --bf16 --use_peft --precompute_ref_log_probs
+
+Data: jsonl/csv/parquet or a hub dataset with `prompt`, `chosen` and `rejected` columns: plain strings (each response
+gets an EOS), or lists of chat turns rendered with the tokenizer's chat template (the prompt's turns, then each
+response's). Prompt tokens are the prompt's alone; a response's tokens follow them unchanged. Without data, the
+default task is built from this Python's standard library: prompt = a function's signature and docstring, chosen =
+its body, rejected = the body cut short.
+
+Loss (TRL's definitions, `--loss_type`): with the log-probabilities of the response tokens summed per sequence, under
+the policy (pi) and the frozen reference (ref), delta = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected);
+sigmoid: -log sigmoid(beta delta); hinge: relu(1 - beta delta); ipo: (delta' - 1 / (2 beta))^2, delta' from per-token
+averages. Chosen and rejected rows go through the model in one forward (chosen rows first). The loss of an optimizer
+step is the mean over all its pairs, on all processes and micro-batches: each micro-batch's pair-loss sum is divided
+by the window's pair count (common/accumulation.py's mechanism, with pairs for tokens).
+
+Reference: a second copy of the pretrained model, frozen, in eval mode, on the run's engine; with --use_peft the
+policy itself with its adapter disabled; with --precompute_ref_log_probs its log-probabilities computed once before
+training (cached under --cache_dir) and the reference freed. Dropout is off in both models unless --keep_dropout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+from transformers.modeling_outputs import ModelOutput
+
+from common.accumulation import backward_loss
+from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
+from common.errors import fail
+from common.export import export_model
+from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
+from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
+from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
+from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
+from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
+                                    freeze_parameters, load_finetuning_config)
+from common.inputs.responses import build_preference_task, chat_problem, tokenize_prompt_and_responses
+from common.lifecycle import RunLifecycle, finish
+from common.optim import create_optimizer_and_scheduler
+from common.runtime import build_accelerator
+from common.steps import count_optimizer_steps, optimizer_step_windows
+from common.upstream import dataset_fingerprint
+from common.features.async_checkpoint import (add_async_checkpoint_args, save_in_background,
+                                              wait_for_checkpoint)  # feature: async checkpoint
+from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
+from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
+                                     compile_model)  # feature: torch compile
+from common.features.cpu_threads import use_all_cores  # feature: cpu threads
+from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
+                                        export_if_finite, finite_weights)  # feature: divergence guard
+from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
+from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
+                                  check_peft_flags, check_vocab_size, export_adapter, export_and_merge,
+                                  frozen_base_left_out)  # feature: lora
+from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
+from common.features.resume_guard import RunRecord  # feature: resume guard
+from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
+
+logger = get_logger(__name__)
+DATA_FLAGS = ("prompt_column", "chosen_column", "rejected_column", "max_seq_length")  # a resume keeps them
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_data_args(parser)
+    add_training_args(parser)
+    add_divergence_args(parser)  # feature: divergence guard
+    add_compile_args(parser)  # feature: torch compile
+    add_async_checkpoint_args(parser)  # feature: async checkpoint
+    add_finetuning_args(parser)
+    add_peft_args(parser)  # feature: lora
+    parser.set_defaults(learning_rate=1e-6, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
+    g = parser.add_argument_group("preference training (DPO)")
+    g.add_argument("--prompt_column", default="prompt", help="Column holding the prompt (text or chat turns).")
+    g.add_argument("--chosen_column", default="chosen", help="Column holding the preferred response.")
+    g.add_argument("--rejected_column", default="rejected", help="Column holding the dispreferred response.")
+    g.add_argument("--chat_template", help="A Jinja chat template file, for a tokenizer that has none.")
+    g.add_argument("--beta", type=float, default=0.1, help="How far from the reference the policy may move.")
+    g.add_argument("--loss_type", default="sigmoid", choices=LOSS_TYPES, help="DPO's loss, or IPO's, or a hinge.")
+    g.add_argument("--precompute_ref_log_probs", action="store_true",
+                   help="Compute the reference's log-probabilities once before training, then free the reference.")
+    g.add_argument("--keep_dropout", action="store_true",
+                   help="Keep the model's dropout in the policy (off by default, as in TRL; the reference never has it).")
+    args = parser.parse_args(argv)
+    check_finetuning_flags(args)
+    check_data_files(args.train_file, args.validation_file)
+    check_divergence_flags(args)  # feature: divergence guard
+    check_compile_flags(args)  # feature: torch compile
+    check_peft_flags(args)  # feature: lora
+    if not args.beta > 0:
+        fail(f"--beta must be > 0 (got {args.beta})")
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        fail(f"--chat_template {args.chat_template}: no such file")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
+    if args.use_peft:  # feature: lora
+        check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
+    check_deepspeed_config(args)  # feature: deepspeed check
+    refuse_sequence_parallel("finetune_dpo.py")  # feature: sequence parallel
+    stop_when_launcher_dies()  # feature: preemption
+    use_all_cores()  # feature: cpu threads
+    accelerator = build_accelerator(args)
+    extras = CheckpointExtras()
+    extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
+    extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
+    extras.explain_failed_save = stop_if_disk_full  # feature: full disk
+    extras.can_save = finite_weights  # feature: divergence guard
+    extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
+    resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
+    status = train(args, config, accelerator, resume_from, extras)
+    wait_for_checkpoint(extras)  # feature: async checkpoint
+    finish(accelerator)
+    sys.exit(status)
+
+
+# ---- data: rows -> (prompt ids, chosen ids, rejected ids) -> padded batches of 2B rows --------------------------------
+def load_preference_data(args, accelerator, config, resume_from: str | None):
+    """Rows -> prompt and response token ids: (tokenizer, datasets with prompt_ids/chosen_ids/rejected_ids/index)."""
+    if not args.train_file and not args.dataset_name:
+        with accelerator.main_process_first():
+            args.train_file, args.validation_file = build_preference_task(args.cache_dir)
+    columns = {args.prompt_column: "--prompt_column", args.chosen_column: "--chosen_column",
+               args.rejected_column: "--rejected_column"}
+    raw = load_raw_datasets(args, columns=columns, check_rows=partial(find_untrainable_pair, args=args))
+    tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    if not isinstance(raw["train"][0][args.prompt_column], str) and not tokenizer.chat_template:
+        fail(f"the data has chat turns ('{args.prompt_column}') but the tokenizer has no chat template: pass "
+             "--chat_template FILE, or use plain-text columns")
+    max_length = args.max_seq_length or min(tokenizer.model_max_length,
+                                            getattr(config, "max_position_embeddings", None) or 2048, 2048)
+    with accelerator.main_process_first():
+        data = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=args.preprocessing_num_workers,
+                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, columns=tuple(columns)),
+                       remove_columns=raw["train"].column_names, desc="Tokenizing")
+    for split in ("train", "validation"):
+        if len(data[split]) < len(raw[split]):
+            logger.info(f"{len(raw[split]) - len(data[split])} {split} pairs dropped: their prompt fills "
+                        f"--max_seq_length {max_length}")
+        if len(data[split]) == 0:
+            fail(f"no {split} pair has a response token within --max_seq_length {max_length}")
+    logger.info(f"{len(data['train'])} training pairs (at most {max_length} tokens a sequence)")
+    return tokenizer, data
+
+
+def tokenize_pairs(batch: dict, indices: list[int], tokenizer, max_length: int, columns: tuple[str, str, str]) -> dict:
+    """`datasets.map` function: prompt, chosen, rejected -> token ids, responses cut to fit `max_length` with their
+    prompt. `index` (the row's position) keys the precomputed reference values. Pairs whose prompt alone fills
+    `max_length` are dropped: they have nothing to learn."""
+    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "index": [], "length": []}
+    prompt_column, chosen_column, rejected_column = columns
+    for i, index in enumerate(indices):
+        prompt_ids, (chosen, rejected) = tokenize_prompt_and_responses(
+            tokenizer, batch[prompt_column][i], [batch[chosen_column][i], batch[rejected_column][i]])
+        room = max_length - len(prompt_ids)
+        if room < 1:
+            continue
+        out["prompt_ids"].append(prompt_ids)
+        out["chosen_ids"].append(chosen[:room])
+        out["rejected_ids"].append(rejected[:room])
+        out["index"].append(index)
+        out["length"].append(len(prompt_ids) + max(len(chosen[:room]), len(rejected[:room])))
+    return out
+
+
+class PairCollator:
+    """Pairs -> one batch of 2B rows, the B chosen rows then the B rejected ones: prompt + response ids right-padded
+    (the pad id is never attended to nor learned), labels -100 on the prompt and the padding. With precomputed
+    reference values (`reference_logps[index]`: chosen, rejected), the batch carries them as `ref_logps`."""
+
+    def __init__(self, pad_token_id: int, multiple: int) -> None:
+        self.pad_token_id, self.multiple = pad_token_id, multiple
+        self.reference_logps: torch.Tensor | None = None
+
+    def __call__(self, examples: list[dict]) -> dict:
+        rows = [(e["prompt_ids"], e[key]) for key in ("chosen_ids", "rejected_ids") for e in examples]
+        width = max(len(p) + len(r) for p, r in rows)
+        width = -(-width // self.multiple) * self.multiple
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, (prompt, response) in enumerate(rows):
+            n = len(prompt) + len(response)
+            input_ids[row, :n] = torch.tensor(prompt + response)
+            labels[row, len(prompt):n] = torch.tensor(response)
+            attention_mask[row, :n] = 1
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if self.reference_logps is not None:
+            index = torch.tensor([e["index"] for e in examples])
+            batch["ref_logps"] = self.reference_logps[index].T.reshape(-1)  # chosen rows, then rejected rows
+        return batch
+
+
+def find_untrainable_pair(raw, args) -> tuple[str, int, str] | None:
+    """The first row (split, index, problem) that cannot give a pair: a missing or empty prompt or response, chosen
+    equal to rejected, text mixed with chat turns, or chat turns that are not a conversation ending in an answer."""
+    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
+    for split in ("train", "validation"):
+        if split not in raw or not set(columns) <= set(raw[split].column_names):
+            continue  # the column check names what is missing
+        rows = raw[split].select_columns(columns)
+        for start in range(0, len(rows), 1000):
+            batch = rows[start:start + 1000]
+            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
+                problem = pair_problem(dict(zip(columns, values)), *columns)
+                if problem:
+                    return split, start + offset, problem
+    return None
+
+
+def pair_problem(row: dict, prompt_column: str, chosen_column: str, rejected_column: str) -> str | None:
+    prompt, chosen, rejected = row[prompt_column], row[chosen_column], row[rejected_column]
+    for column, value in row.items():
+        if value is None or (isinstance(value, str) and not value.strip() and column != prompt_column):
+            return f"has no '{column}' text" if value is None else f"has an empty '{column}' response"
+    if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(rejected, str):
+        return f"mixes plain text and chat turns in '{prompt_column}', '{chosen_column}', '{rejected_column}'"
+    if chosen == rejected:
+        return f"has the same '{chosen_column}' and '{rejected_column}': nothing to prefer"
+    if not isinstance(prompt, str):
+        for column, response in ((chosen_column, chosen), (rejected_column, rejected)):
+            problem = chat_problem(list(prompt) + list(response or []), column) if response else \
+                f"has no chat turns in '{column}'"
+            if problem or response[-1].get("role") != "assistant":
+                return problem or f"has no assistant turn at the end of '{column}': nothing to learn"
+    return None
+
+
+def build_dataloaders(args, accelerator, tokenizer, data):
+    """Batches of pairs (2B rows each), optionally grouped by length; both loaders share one collator per split so
+    that precomputed reference values reach them."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    collators = {split: PairCollator(pad_id, pad_to_multiple_of(accelerator)) for split in ("train", "validation")}
+    sampler = None
+    if args.group_by_length:
+        sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
+        data["validation"] = data["validation"].sort("length")
+    data = data.remove_columns("length")
+    loader_kwargs = dict(num_workers=args.dataloader_num_workers,
+                         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    train_dataloader = DataLoader(data["train"], sampler=sampler, shuffle=sampler is None,
+                                  batch_size=args.per_device_train_batch_size, collate_fn=collators["train"],
+                                  generator=torch.Generator(), **loader_kwargs)
+    eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size,
+                                 collate_fn=collators["validation"], **loader_kwargs)
+    return train_dataloader, eval_dataloader, collators
+
+
+# ---- the loss: sequence log-probabilities, the reference, DPO / IPO / hinge --------------------------------------------
+def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the log-probability of its response tokens, summed, and their number (fp32)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+    per_token = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    return per_token.sum(1), (targets != -100).sum(1)
+
+
+def pair_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, beta: float, loss_type: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss of each pair, each row's reward beta * (pi - ref)); rows are the B chosen, then the B rejected."""
+    ratios = policy - reference
+    if loss_type == "ipo":  # per-token averages (TRL: confirmed with the IPO authors)
+        ratios = ratios / counts.clamp(min=1)
+    chosen, rejected = ratios.chunk(2)
+    delta = chosen - rejected
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    else:
+        losses = (delta - 1 / (2 * beta)) ** 2
+    return losses, beta * (policy - reference).detach()
+
+
+def pair_figures(losses: torch.Tensor, rewards: torch.Tensor, policy: torch.Tensor) -> torch.Tensor:
+    """Per pair: loss and METRICS' figures (TRL's: accuracy when the chosen reward is strictly greater)."""
+    chosen, rejected = rewards.chunk(2)
+    logps_chosen, logps_rejected = policy.detach().chunk(2)
+    return torch.stack([losses.detach(), chosen, rejected, (chosen > rejected).float(), chosen - rejected,
+                        logps_chosen, logps_rejected], dim=1)
+
+
+def dpo_forward(model, reference_logps, batch: dict, args, num_items: torch.Tensor) -> ModelOutput:
+    """One micro-batch: `loss` = its pairs' loss sum / `num_items` (the window's pair count on all processes), so
+    `backward_loss` scales it as the token losses of the other recipes; `figures`: per pair, for the metrics."""
+    policy, counts = sequence_logps(model, batch)
+    with torch.no_grad():
+        reference = batch["ref_logps"] if "ref_logps" in batch else reference_logps(batch)
+    losses, rewards = pair_losses(policy, reference.float(), counts, args.beta, args.loss_type)
+    return ModelOutput(loss=losses.sum() / num_items, figures=pair_figures(losses, rewards, policy))
+
+
+def count_pairs(window: list[dict], accelerator) -> torch.Tensor:
+    """The pairs of the window on all processes (a batch's rows are its pairs' chosen and rejected)."""
+    local = sum(batch["input_ids"].shape[0] // 2 for batch in window)
+    return accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum")
+
+
+class PairMetrics:
+    """The METRICS of the pairs since the last logged row, summed on the device (read only when a row is written:
+    `row()` is the step log's `row_extras`, collective)."""
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.sums = torch.zeros(len(METRICS) + 1, device=accelerator.device)
+
+    def add(self, outputs: ModelOutput) -> None:
+        figures = outputs.figures.float()
+        self.sums += torch.cat([figures[:, 1:].sum(0), figures.new_tensor([figures.shape[0]])])
+
+    def row(self) -> dict:
+        *sums, pairs = self.accelerator.reduce(self.sums, "sum").tolist()
+        self.sums.zero_()
+        return {name: total / max(pairs, 1) for name, total in zip(METRICS, sums)}
+
+
+@torch.no_grad()
+def evaluate_dpo(model, reference_logps, dataloader, accelerator, args) -> dict[str, float]:
+    """The loss and METRICS over the whole eval set, each pair once (`gather_for_metrics`), for any process count."""
+    model.eval()
+    sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
+    pairs = 0
+    for batch in dataloader:
+        outputs = dpo_forward(model, reference_logps, batch, args, torch.ones((), device=accelerator.device))
+        figures = accelerator.gather_for_metrics(outputs.figures)
+        sums += figures.double().sum(0)
+        pairs += figures.shape[0]
+    model.train()
+    means = (sums / max(pairs, 1)).tolist()
+    return {"eval_loss": means[0], **{f"eval_{name}": value for name, value in zip(METRICS, means[1:])},
+            "eval_pairs": pairs}
+
+
+# ---- the reference: a frozen copy on the run's engine, the disabled adapter, or values computed once ----------------
+def build_reference(args, config, accelerator, model, vocab_size: int, data, collators):
+    """After `prepare`: batch -> the reference's log-probabilities (`reference_forward`); None with
+    --precompute_ref_log_probs, whose values then travel with the batches and whose reference is freed."""
+    reference = load_reference(args, config, accelerator, vocab_size)
+    forward = reference_forward(accelerator, model, reference)
+    if not args.precompute_ref_log_probs:
+        return forward
+    precompute_reference(args, accelerator, forward, data, collators)
+    del reference, forward
+    gc.collect()
+    return None
+
+
+def load_reference(args, config, accelerator, vocab_size: int):
+    """A second copy of the pretrained model (never a deep copy of the policy: under ZeRO-3 and FSDP2 that copies
+    shards and hooks), frozen and in eval mode, placed as the engine needs; None with --use_peft (the policy with
+    its adapter disabled is the reference)."""
+    if args.use_peft:  # feature: lora
+        return None
+    unchecked = argparse.Namespace(**{**vars(args), "gradient_checkpointing": False})  # no backward through it
+    reference = build_causal_lm(unchecked, config, vocab_size, dtype=torch.float32)
+    reference.requires_grad_(False)
+    reference.eval()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return prepare_zero_reference(accelerator, reference)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in getattr(getattr(reference, "model", None), "layers", []):  # sharded on the device as the policy
+            fully_shard(layer)
+        return fully_shard(reference)
+    return reference.to(accelerator.device)
+
+
+def prepare_zero_reference(accelerator, reference):
+    """DeepSpeed for inference: ZeRO-3 keeps the reference's parameters partitioned (gathered layer by layer in its
+    forward); other stages keep a whole copy per process. No optimizer."""
+    import deepspeed
+
+    stage = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+              "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
+              "zero_optimization": {"stage": 3 if stage == 3 else 0}}
+    engine, *_ = deepspeed.initialize(model=reference, config=config)
+    engine.eval()
+    return engine
+
+
+def reference_forward(accelerator, model, reference):
+    """batch -> the reference's summed response log-probabilities per row (no gradient, eval mode, the run's
+    precision)."""
+    def forward(batch: dict) -> torch.Tensor:
+        if reference is not None:
+            with accelerator.autocast():
+                return sequence_logps(reference, batch)[0]
+        module = accelerator.unwrap_model(model)  # feature: lora
+        was_training = module.training  # feature: lora
+        module.eval()  # feature: lora
+        with module.disable_adapter(), accelerator.autocast():  # feature: lora
+            logps = sequence_logps(module, batch)[0]  # feature: lora
+        module.train(was_training)  # feature: lora
+        return logps  # feature: lora
+    return forward
+
+
+def precompute_reference(args, accelerator, forward, data, collators) -> None:
+    """--precompute_ref_log_probs: one pass of the reference over both splits, each process a share of the rows in
+    lockstep (ZeRO-3 and FSDP2 gather together); the values go to a cache under --cache_dir keyed by the model and
+    the data (written then renamed), and into the collators. A resumed run reads the cache."""
+    for split in ("train", "validation"):
+        dataset = data[split].remove_columns("length")
+        key = json.dumps([reference_key(args), dataset_fingerprint(dataset), accelerator.mixed_precision])
+        path = os.path.join(args.cache_dir, f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
+        if os.path.isfile(path):
+            collators[split].reference_logps = torch.load(path)
+            continue
+        rank, count = accelerator.process_index, accelerator.num_processes
+        mine = list(range(rank, len(dataset), count))
+        mine += mine[-1:] * (-(-len(dataset) // count) - len(mine))  # the same number of batches on every rank
+        rows = []
+        for start in range(0, len(mine), args.per_device_eval_batch_size):
+            indices = mine[start:start + args.per_device_eval_batch_size]
+            batch = {k: v.to(accelerator.device) for k, v in collators[split]([dataset[i] for i in indices]).items()}
+            with torch.no_grad():
+                logps = forward(batch).float()
+            rows.append(torch.stack([torch.tensor(indices, device=logps.device).float(), *logps.chunk(2)], 1))
+        gathered = accelerator.gather(torch.cat(rows)).cpu()
+        values = torch.zeros(len(dataset), 2)
+        values[gathered[:, 0].long()] = gathered[:, 1:]
+        if accelerator.is_main_process:
+            os.makedirs(args.cache_dir, exist_ok=True)
+            torch.save(values, path + f".tmp{os.getpid()}")
+            os.replace(path + f".tmp{os.getpid()}", path)  # never half a file under the name
+        collators[split].reference_logps = values
+    accelerator.wait_for_everyone()
+
+
+def reference_key(args) -> list:
+    """What the reference's values depend on: the model's files (path, sizes, times) or its hub id, the adapter."""
+    path = args.model_name_or_path
+    files = sorted((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
+                   for f in os.listdir(path)) if os.path.isdir(path) else []
+    peft = [getattr(args, name, None) for name in ("use_peft", "load_in_4bit")]  # none in a copy without LoRA
+    return [os.path.abspath(path) if files else path, files, *peft, args.attn_implementation]
+
+
+def disable_dropout(model) -> None:
+    """Dropout off, as TRL does by default: every nn.Dropout, and the rates attention layers read from their own
+    attributes (e.g. Llama's `attention_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:
+    """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
+    record = RunRecord(args, "finetune_dpo", accelerator, config, DATA_FLAGS, resume_from)  # feature: resume guard
+    extras.write, extras.check = record.write, record.check  # feature: resume guard
+    lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
+    run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
+    ga = args.gradient_accumulation_steps
+    tokenizer, data = load_preference_data(args, accelerator, config, resume_from)
+    train_dataloader, eval_dataloader, collators = build_dataloaders(args, accelerator, tokenizer, data)
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
+                                                         args.max_steps, args.num_train_epochs, unit="pairs")
+    record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
+
+    # ---- policy (with --use_peft: a frozen base and a LoRA adapter), reference, optimizer, schedule ----------------
+    model = build_model(args, config, accelerator, len(tokenizer))
+    trainable, total_params = count_parameters(model)
+    optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    reference_logps = build_reference(args, config, accelerator, model, len(tokenizer), data, collators)
+    progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
+                                     trackers=("finetune_dpo", vars(args)))
+    rewards = PairMetrics(accelerator)
+    log.row_extras = rewards.row
+    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; reference "
+                f"{'precomputed' if args.precompute_ref_log_probs else 'live'}; "
+                f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in all; global batch "
+                f"{args.per_device_train_batch_size * ga * accelerator.num_processes} pairs")
+
+    # ---- training loop: the loss is the mean over all pairs of the step ----------------------------------------------
+    guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
+    guard.stop_signalled = catch_stop_signals()  # feature: preemption
+    train_start = time.perf_counter()
+    model.train()
+    for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
+        lr = lr_scheduler.get_last_lr()[0]
+        num_items = count_pairs(window, accelerator)  # pairs in the window, all processes
+        window_loss = torch.zeros((), device=accelerator.device)
+        for batch in window:
+            with accelerator.accumulate(model):
+                outputs = dpo_forward(model, reference_logps, batch, args, num_items)
+                loss, pair_loss = backward_loss(outputs, accelerator)
+                accelerator.backward(loss)
+                window_loss += pair_loss
+                rewards.add(outputs)
+                log.count_tokens(batch)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    if guard.check(window_loss, grad_norm).verdict is Verdict.APPLY:
+                        optimizer.step()
+                        if not accelerator.optimizer_step_was_skipped:
+                            lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        checked = guard.step_check()
+        if checked.verdict is Verdict.DIVERGED:
+            return DIVERGED_STATUS
+        step = progress.step
+        log.step(step, lr, checked.loss, checked.grad_norm)
+
+        stop = checked.stop_requested
+        if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
+            with log.untimed():
+                eval_metrics = evaluate_dpo(model, reference_logps, eval_dataloader, accelerator, args)
+            log.write_eval(step, eval_metrics)
+        if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
+            with log.untimed():
+                checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, extras)
+            if checkpoint is None:
+                return DIVERGED_STATUS
+        if stop:
+            wait_for_checkpoint(extras)  # feature: async checkpoint
+            announce_stop(step, checkpoint)  # feature: preemption
+            return STOPPED_STATUS
+    log.close()
+    wait_for_checkpoint(extras)  # feature: async checkpoint
+    train_runtime = time.perf_counter() - train_start
+    # ---- final evaluation (loss and rewards on held-out pairs) and export ------------------------------------------
+    eval_metrics = evaluate_dpo(model, reference_logps, eval_dataloader, accelerator, args)
+    log.write_eval(progress.step, eval_metrics)
+    export = exporter(args)
+    if not export(accelerator, model, tokenizer, args.output_dir):
+        return DIVERGED_STATUS
+    results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
+               "padding_fraction": log.padding_fraction, "num_parameters": total_params,
+               "trainable_parameters": trainable, "train_pairs": len(data["train"])}
+    results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
+    log.write_results(results)
+    return 0
+
+
+def exporter(args):
+    """How the trained model is written (common/export.py; the features below wrap or replace it)."""
+    export = export_model
+    if args.use_peft:  # feature: lora
+        export = export_adapter  # the adapter alone, in peft's format
+    if args.use_peft and args.merge_adapter:  # feature: lora
+        export = export_and_merge(AutoModelForCausalLM, args.model_name_or_path)  # the adapter, then merged/
+    export = explain_full_disk(export)  # feature: full disk
+    export = export_if_finite(export)  # feature: divergence guard
+    return export
+
+
+def build_model(args, config, accelerator, vocab_size: int):
+    """The policy: the pretrained model, frozen as flagged, dropout off unless --keep_dropout; with --use_peft a
+    frozen (16-bit or 4-bit) base and a LoRA adapter."""
+    load_kwargs = {"dtype": torch.float32}  # fp32 weights: mixed precision autocasts them
+    if args.use_peft:  # feature: lora
+        check_vocab_size(config, vocab_size)
+        load_kwargs = base_model_kwargs(args, accelerator, "CAUSAL_LM")  # a 16-bit (or 4-bit) frozen base
+    model = build_causal_lm(args, config, vocab_size, **load_kwargs)
+    freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.use_peft:  # feature: lora
+        model = add_adapter(args, accelerator, model, "CAUSAL_LM")
+    if not args.keep_dropout:
+        disable_dropout(model)
+    if args.torch_compile:  # feature: torch compile
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
+    return model
+
+
+if __name__ == "__main__":
+    main()
