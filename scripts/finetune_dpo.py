@@ -443,6 +443,7 @@ def precompute_reference(args, accelerator, forward, data, collators) -> None:
         if os.path.isfile(path):
             collators[split].reference_logps = torch.load(path)
             continue
+        originals = dataset["index"]  # each pair's row before pairs were dropped: what the collator looks up
         rank, count = accelerator.process_index, accelerator.num_processes
         mine = list(range(rank, len(dataset), count))
         mine += mine[-1:] * (-(-len(dataset) // count) - len(mine))  # the same number of batches on every rank
@@ -452,10 +453,11 @@ def precompute_reference(args, accelerator, forward, data, collators) -> None:
             batch = {k: v.to(accelerator.device) for k, v in collators[split]([dataset[i] for i in indices]).items()}
             with torch.no_grad():
                 logps = forward(batch).float()
-            rows.append(torch.stack([torch.tensor(indices, device=logps.device).float(), *logps.chunk(2)], 1))
+            keys = torch.tensor([originals[i] for i in indices], device=logps.device, dtype=torch.float64)
+            rows.append(torch.stack([keys, *logps.double().chunk(2)], 1))
         gathered = accelerator.gather(torch.cat(rows)).cpu()
-        values = torch.zeros(len(dataset), 2)
-        values[gathered[:, 0].long()] = gathered[:, 1:]
+        values = torch.zeros(max(originals) + 1, 2)
+        values[gathered[:, 0].long()] = gathered[:, 1:].float()
         if accelerator.is_main_process:
             os.makedirs(args.cache_dir, exist_ok=True)
             torch.save(values, path + f".tmp{os.getpid()}")

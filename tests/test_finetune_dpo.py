@@ -301,6 +301,20 @@ def test_precomputed_reference_equals_the_live_one(dpo, one_process):
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == pytest.approx(0, abs=1e-6)
 
 
+def test_precomputed_values_follow_their_pairs_when_pairs_are_dropped(dpo, tmp_path):
+    """With --max_seq_length 24 the pairs whose prompt fills it are dropped: the precomputed values are looked up by
+    each pair's own row (they were once looked up by position, past the end or on another pair's values), and the
+    run trains as the live reference does."""
+    short = ("--max_seq_length", "24", "--per_device_train_batch_size", "4")
+    live = train_dpo(dpo, str(tmp_path / "live"), *short)
+    precomputed = train_dpo(dpo, str(tmp_path / "precomputed"), *short, "--precompute_ref_log_probs", "--cache_dir",
+                            str(tmp_path / "cache"))
+    with open(os.path.join(live, "all_results.json")) as f:
+        assert json.load(f)["train_pairs"] < len(rows_of(dpo["train"]))  # some pairs were dropped
+    assert train_losses(precomputed) == pytest.approx(train_losses(live), abs=1e-5)
+    assert max_difference(weights(precomputed), weights(live)) < WEIGHT_TOL
+
+
 def test_the_disabled_adapter_is_the_base_model(dpo):
     """With --use_peft the reference is the policy with its adapter disabled, no second model: its log-probabilities
     equal those of the base loaded separately, once the adapter has moved the policy away from it."""
