@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import ModelOutput
 
@@ -448,7 +449,8 @@ def precompute_reference(args, accelerator, forward, data, collators) -> None:
         mine = list(range(rank, len(dataset), count))
         mine += mine[-1:] * (-(-len(dataset) // count) - len(mine))  # the same number of batches on every rank
         rows = []
-        for start in range(0, len(mine), args.per_device_eval_batch_size):
+        for start in tqdm(range(0, len(mine), args.per_device_eval_batch_size), desc=f"Reference log-probs ({split})",
+                          disable=not accelerator.is_local_main_process):
             indices = mine[start:start + args.per_device_eval_batch_size]
             batch = {k: v.to(accelerator.device) for k, v in collators[split]([dataset[i] for i in indices]).items()}
             with torch.no_grad():
