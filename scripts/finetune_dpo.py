@@ -442,7 +442,7 @@ def precompute_reference(args, accelerator, forward, data, collators) -> None:
         key = json.dumps([reference_key(args), dataset_fingerprint(dataset), accelerator.mixed_precision])
         path = os.path.join(args.cache_dir, f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
         if os.path.isfile(path):
-            collators[split].reference_logps = torch.load(path)
+            collators[split].reference_logps = torch.load(path, weights_only=True)  # a tensor, nothing to unpickle
             continue
         originals = dataset["index"]  # each pair's row before pairs were dropped: what the collator looks up
         rank, count = accelerator.process_index, accelerator.num_processes
