@@ -7,7 +7,7 @@ import math
 import os
 
 from gpu_suite.checks import export_problems, loss_figure, loss_problems, verdict, weight_distance
-from gpu_suite.suite import CLASSIFIER, FAIL, PRETRAIN, SFT, Outcome, Row, Suite
+from gpu_suite.suite import CLASSIFIER, DPO, FAIL, PRETRAIN, SFT, Outcome, Row, Suite
 
 BF16_RTOL = 2e-2  # bf16 keeps 8 significant bits (0.4 % per rounding); a few steps of different summation orders
 
@@ -100,6 +100,60 @@ def check_sft(suite: Suite) -> Outcome:
                    loss_figure(run) + "; export loads")
 
 
+def dpo_run(suite: Suite, name: str, flags: list[str], config: str | None = None):
+    """scripts/finetune_dpo.py from the SFT row's tiny Llama on the suite's preference pairs, bf16, 8 pairs a step."""
+    return suite.train(name, DPO, ["--model_name_or_path", suite.data["sft_model"], "--train_file",
+                                   suite.data["dpo_train"], "--validation_file", suite.data["dpo_validation"],
+                                   "--max_seq_length", "256", "--learning_rate", "1e-3", "--max_steps",
+                                   str(suite.settings.steps), "--per_device_train_batch_size", "8",
+                                   "--logging_steps", "1", "--seed", "0", "--bf16", *flags], config)
+
+
+def dpo_reference_run(suite: Suite):
+    """The `dpo` row's run (live frozen reference): what the precomputed row compares with."""
+    return suite.memo("dpo", lambda: dpo_run(suite, "dpo", []))
+
+
+def dpo_accuracy(run) -> float:
+    """The held-out pairs' rewards/accuracies after training (all_results.json), NaN when absent."""
+    path = os.path.join(run.out, "all_results.json")
+    if not os.path.isfile(path):
+        return math.nan
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("eval_rewards/accuracies", math.nan)
+
+
+def check_dpo(suite: Suite, name: str = "dpo", flags: tuple[str, ...] = (), config: str | None = None) -> Outcome:
+    """A DPO run: loss finite and falling from log 2, held-out rewards/accuracies above 0.5, the export loads."""
+    run = dpo_reference_run(suite) if name == "dpo" else dpo_run(suite, name, list(flags), config)
+    if run.error:
+        return Outcome(FAIL, run.error)
+    accuracy = dpo_accuracy(run)
+    problems = loss_problems(run, suite.settings.steps) + export_problems(run.out)
+    if not accuracy > 0.5:
+        problems.append(f"held-out rewards/accuracies {accuracy:.3f}, not above 0.5")
+    return verdict(problems, f"{loss_figure(run)}; held-out rewards/accuracies {accuracy:.2f}; export loads",
+                   {"eval_rewards/accuracies": accuracy})
+
+
+def check_dpo_precomputed(suite: Suite) -> Outcome:
+    """--precompute_ref_log_probs (one reference pass before training, then freed) trains as the live reference
+    does: the same losses and weights within bf16 tolerance (TRL#6403: precomputed values that crashed)."""
+    run, reference = dpo_run(suite, "dpo_precomputed", ["--precompute_ref_log_probs"]), dpo_reference_run(suite)
+    if run.error or reference.error:
+        return Outcome(FAIL, run.error or f"the dpo (live reference) run failed: {reference.error}")
+    problems = loss_problems(run, suite.settings.steps)
+    gaps = [abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses)]
+    loss_gap = max(gaps) if gaps and len(run.losses) == len(reference.losses) else math.inf
+    weight_gap = weight_distance(reference.out, run.out)
+    if not loss_gap <= BF16_RTOL:
+        problems.append(f"losses differ from the live reference's by up to {loss_gap:.2e} (tolerance {BF16_RTOL})")
+    if not weight_gap <= BF16_RTOL:
+        problems.append(f"weights differ from the live reference's by {weight_gap:.2e} (tolerance {BF16_RTOL})")
+    return verdict(problems, f"vs live reference: losses within {loss_gap:.1e}, weights {weight_gap:.1e}",
+                   {"loss_gap": loss_gap, "weight_gap": weight_gap})
+
+
 def check_classifier(suite: Suite) -> Outcome:
     """scripts/finetune_classifier.py: the packaged MiniLM must reach 90 % accuracy in one epoch (6 steps), as in
     tests/test_finetune_classifier.py; a tiny BERT (where the package is absent) only has to train and export."""
@@ -155,6 +209,11 @@ def part1_rows() -> list[Row]:
         pretrain_row("fp8", "FP8 matmuls through torchao (fp8.yaml)", [], config="fp8.yaml", needs=("torchao",),
                      cuda_only="FP8 matmuls need an NVIDIA GPU of compute capability 8.9+ (H100/H200)", slow=True),
         Row("sft", 1, "scripts/finetune_causal_lm.py: prompt/completion SFT of a tiny Llama, bf16", check_sft),
+        Row("dpo", 1, "scripts/finetune_dpo.py: DPO of the SFT row's tiny Llama, live reference, bf16", check_dpo),
+        Row("dpo_precomputed", 1, "DPO with --precompute_ref_log_probs = the live reference (bf16 tolerance)",
+            check_dpo_precomputed),
+        Row("dpo_zero3", 1, "DPO under DeepSpeed ZeRO-3 (the reference partitioned, not deep-copied), export gathered",
+            lambda suite: check_dpo(suite, "dpo_zero3", config="deepspeed_zero3.yaml"), needs=ds),
         Row("classifier", 1, "scripts/finetune_classifier.py: the packaged MiniLM reaches >= 90 % accuracy",
             check_classifier),
     ]

@@ -28,8 +28,10 @@ def prepare_data(suite: Suite) -> None:
     cut = len(texts) * 9 // 10
     for split, part in (("train", texts[:cut]), ("validation", texts[cut:])):
         suite.data[split] = write_jsonl(os.path.join(d, f"{split}.jsonl"), [{"text": t} for t in part])
-    if "sft" in suite.planned:
+    if "sft" in suite.planned or any(name.startswith("dpo") for name in suite.planned):
         prepare_sft(suite, d, rng)
+    if any(name.startswith("dpo") for name in suite.planned):
+        prepare_dpo(suite, d, random.Random(1))
     if "classifier" in suite.planned:
         prepare_classifier(suite, d)
 
@@ -61,6 +63,20 @@ def prepare_sft(suite: Suite, d: str, rng: random.Random) -> None:
     suite.data["sft_model"] = os.path.join(d, "sft_base")
     LlamaForCausalLM(config).save_pretrained(suite.data["sft_model"])
     tokenizer.save_pretrained(suite.data["sft_model"])
+
+
+def prepare_dpo(suite: Suite, d: str, rng: random.Random) -> None:
+    """Preference pairs for the SFT row's tiny Llama: the chosen response draws on the first half of the words, the
+    rejected one on the second, so the preference is learnable in a few steps (the loss falls from log 2)."""
+    greek = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+    def text(words: list[str]) -> str:
+        return " " + " ".join(rng.choice(words) for _ in range(rng.choice([1, 3, 10, 30])))
+
+    rows = [{"prompt": "Q:" + text(greek) + "\nA:", "chosen": text(greek[:6]), "rejected": text(greek[6:])}
+            for _ in range(200)]
+    suite.data["dpo_train"] = write_jsonl(os.path.join(d, "dpo_train.jsonl"), rows[:176])
+    suite.data["dpo_validation"] = write_jsonl(os.path.join(d, "dpo_validation.jsonl"), rows[176:])
 
 
 def prepare_classifier(suite: Suite, d: str) -> None:

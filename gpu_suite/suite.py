@@ -20,8 +20,8 @@ from gpu_suite.runner import Runner
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRETRAIN, SFT, CLASSIFIER = (os.path.join(ROOT, "scripts", f"{name}.py") for name in
-                             ("pretrain_llama", "finetune_causal_lm", "finetune_classifier"))
+PRETRAIN, SFT, CLASSIFIER, DPO = (os.path.join(ROOT, "scripts", f"{name}.py") for name in
+                                  ("pretrain_llama", "finetune_causal_lm", "finetune_classifier", "finetune_dpo"))
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
 
 
