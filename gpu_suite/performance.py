@@ -105,7 +105,9 @@ def benchmark_argv(suite: Suite, methods: list[str], long_context: bool) -> list
     """benchmark.py's command line for `methods` of the suite's perf (or long-context) benchmark."""
     s = suite.settings
     seq, batch = (s.long_seq, 1) if long_context else (s.perf_seq, s.perf_batch)
-    argv = ["--no_baseline", "--methods", ",".join(methods), "--model_preset", s.perf_preset, "--seq_len", str(seq),
+    # The long rows build the preset's shape from a config with positions for one long sequence (--config_name)
+    model = [] if long_context else ["--model_preset", s.perf_preset]
+    argv = ["--no_baseline", "--methods", ",".join(methods), *model, "--seq_len", str(seq),
             "--per_device_train_batch_size", str(batch), "--warm_steps", str(s.warm_steps), "--timed_steps",
             str(s.timed_steps), "--output_dir", os.path.join(suite.work, "long" if long_context else "benchmark")]
     if not long_context:
@@ -114,9 +116,24 @@ def benchmark_argv(suite: Suite, methods: list[str], long_context: bool) -> list
     if suite.seconds_left() < math.inf:
         argv += ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     argv += ["--", "--cache_dir", os.path.join(suite.work, "cache"), "--tokenizer_vocab_size", str(s.perf_vocab)]
+    if long_context:
+        argv += ["--config_name", long_context_config(suite)]
     if not suite.cuda:  # the tiny dry run trains on the suite's small corpus; the GPU on the embedded default one
         argv += ["--train_file", suite.data["train"], "--validation_file", suite.data["validation"]]
     return argv
+
+
+def long_context_config(suite: Suite) -> str:
+    """A config folder of the perf preset's shape with max_position_embeddings = long_seq: the presets stop at 2,048
+    positions (1b), which the recipe refuses for a 16,384-token block."""
+    from transformers import LlamaConfig
+
+    from common.inputs.modeling import LLAMA_PRESETS
+
+    s = suite.settings
+    path = os.path.join(suite.work, "data", f"{s.perf_preset}-{s.long_seq}-positions")
+    LlamaConfig(**{**LLAMA_PRESETS[s.perf_preset], "max_position_embeddings": s.long_seq}).save_pretrained(path)
+    return path
 
 
 def run_benchmark(suite: Suite, long_context: bool = False, methods: list[str] | None = None) -> dict:
