@@ -13,20 +13,20 @@ from __future__ import annotations
 from gpu_suite.suite import Row
 
 # row -> cap in seconds on a GPU (none on a CPU: the dry run's tiny rows keep --row_timeout_s). Each includes the
-# run's start (imports, data, building the model); none of them has been measured on an H100 yet. The tiny rows of
-# part 1 took about 20 s each on an H200 (a process's start), the fp32 baseline 125 s with its export.
-CAPS_S = {
-    "perf_bf16_compile": 180.0,  # 1b, 4 x 2,048, bf16 + --torch_compile + fused AdamW: its cold compile included
-    "perf_mfu_goal": 10.0,       # reads the row above
-    "perf_plain_loop": 150.0,    # benchmarks/plain_loop.py with the same flags (it compiles the whole model)
-    "perf_lora_8b": 120.0,       # includes building and saving the 8B-shaped base (53 s in all on an H200)
-    "perf_qlora_8b": 90.0,       # 31 s on an H200
-    "perf_long_none": 90.0,      # 16,384 tokens, full logits where torch has no F.linear_cross_entropy
-    "perf_long_every2": 90.0,
-    "perf_long_op": 90.0,
-    "perf_long_full": 90.0,
-    "perf_long_offload": 90.0,
-    "fp8": 120.0,                # part 1's fp8.yaml row (tiny preset, 20 steps, the export loads)
+# run's start (imports, data, building the model). Measured on an H200 (docs/results/gpu-2026-11-26-headline.md):
+# every row within half of its cap; not measured on an H100 yet.
+CAPS_S = {                       # H200 row time, 2026-11-26
+    "perf_bf16_compile": 180.0,  # 46 s; 1b, 4 x 2,048, bf16 + --torch_compile + fused AdamW, cold compile included
+    "perf_mfu_goal": 10.0,       # 0 s; reads the row above
+    "perf_plain_loop": 150.0,    # 40 s; benchmarks/plain_loop.py with the same flags
+    "perf_lora_8b": 120.0,       # 51 s; includes building and saving the 8B-shaped base
+    "perf_qlora_8b": 90.0,       # 33 s
+    "perf_long_none": 90.0,      # 44 s; 16,384 tokens, full logits where torch has no F.linear_cross_entropy
+    "perf_long_every2": 90.0,    # 38 s
+    "perf_long_op": 90.0,        # 35 s
+    "perf_long_full": 90.0,      # 39 s
+    "perf_long_offload": 90.0,   # 39 s
+    "fp8": 120.0,                # 23 s; part 1's fp8.yaml row (tiny preset, 20 steps, the export loads)
 }
 
 

@@ -32,10 +32,11 @@ import torch
 from conftest import ROOT
 
 SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
-                "perf_long_full,perf_qlora_8b")
+                "perf_long_full,perf_qlora_8b,dpo_zero3")
 CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
-            "moe", "accumulation", "zero2", "sft", "classifier", "perf_baseline", "perf_long_op", "perf_lora_8b"}
+            "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier", "perf_baseline",
+            "perf_long_op", "perf_lora_8b"}
 LOSS = re.compile(r"loss (-?[\d.]+|nan|inf) -> (-?[\d.]+|nan|inf) in (\d+) steps")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check")
@@ -96,11 +97,13 @@ def test_cpu_rows_really_run_and_pass(dry_run):
     assert LOSS.search(rows["bf16"][1])[3] == "3"
     assert re.match(r"[\d,]+ tok/s", rows["perf_baseline"][1])
     assert "accuracy" in rows["classifier"][1]
+    assert "held-out rewards/accuracies" in rows["dpo"][1]
+    assert rows["dpo_precomputed"][1].startswith("vs live reference: losses within ")
     deselected = {name for name, (status, figure) in rows.items() if figure == "not selected (--only / --skip)"}
     assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "fsdp2", "perf_bf16_compile",
                           "perf_bf16_compile_checkpointing", "perf_bf16_compile_8bit", "perf_bf16_compile_chunked",
                           "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
-                          "perf_long_offload", "perf_qlora_8b"}
+                          "perf_long_offload", "perf_qlora_8b", "dpo_zero3"}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 
@@ -133,6 +136,30 @@ def test_largest_preset_per_technique_from_the_estimator():
     small_host = largest_fitting_presets(80e9, 64e9, seq=2048, batch=4)
     assert small_host["ZeRO-3 offload + checkpointing"]["preset"] == "1b"
     assert largest_fitting_presets(1e9, 1e12, seq=2048, batch=4)["AdamW"] is None
+
+
+def test_the_long_context_rows_build_a_model_that_takes_their_sequence(tmp_path):
+    """On a GPU the long rows train the 1b shape on 16,384-token blocks; the 1b preset has 2,048 positions, which the
+    recipe refuses (all five rows failed so on an H200). Their command builds the preset's shape from a config whose
+    positions hold the sequence, and keeps every held-out row (2 rows hold less than one block)."""
+    import argparse
+
+    from common.inputs.modeling import LLAMA_PRESETS, check_block_size
+    from gpu_suite.performance import benchmark_argv
+    from gpu_suite.suite import settings_for
+    from transformers import AutoConfig
+
+    settings = settings_for(cuda=True)
+    suite = argparse.Namespace(settings=settings, work=str(tmp_path), cuda=True, seconds_left=lambda: math.inf,
+                               args=argparse.Namespace(part="headline"))
+    argv = benchmark_argv(suite, ["long_none"], long_context=True)
+    assert "--model_preset" not in argv and argv[argv.index("--seq_len") + 1] == str(settings.long_seq)
+    config = AutoConfig.from_pretrained(argv[argv.index("--config_name") + 1])
+    check_block_size(config, settings.long_seq)  # the recipe's own check: no SystemExit
+    assert config.max_position_embeddings == settings.long_seq
+    shape = {k: v for k, v in LLAMA_PRESETS[settings.perf_preset].items() if k != "max_position_embeddings"}
+    assert {k: getattr(config, k) for k in shape} == shape
+    assert argv[argv.index("--max_eval_samples") + 1] == "100000"
 
 
 def test_a_gpu_part_on_a_cpu_is_refused_in_one_line(tmp_path):
