@@ -66,6 +66,7 @@ from common.upstream import dataset_fingerprint
 from common.features.async_checkpoint import (add_async_checkpoint_args, save_in_background,
                                               wait_for_checkpoint)  # feature: async checkpoint
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
+from common.features.chunked_loss import (add_chunked_loss_args, check_chunked_loss, use_chunked_loss)  # feature: chunked loss
 from common.features.compile import (add_compile_args, check_compile_flags, compile_counts,
                                      compile_model)  # feature: torch compile
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
@@ -95,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
     add_compile_args(parser)  # feature: torch compile
+    add_chunked_loss_args(parser)  # feature: chunked loss
     add_async_checkpoint_args(parser)  # feature: async checkpoint
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
@@ -128,6 +130,8 @@ def main() -> None:
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     if args.use_peft:  # feature: lora
         check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        check_chunked_loss(config)
     check_deepspeed_config(args)  # feature: deepspeed check
     refuse_sequence_parallel("finetune_dpo.py")  # feature: sequence parallel
     stop_when_launcher_dies()  # feature: preemption
@@ -282,12 +286,21 @@ def build_dataloaders(args, accelerator, tokenizer, data):
 
 
 # ---- the loss: sequence log-probabilities, the reference, DPO / IPO / hinge --------------------------------------------
-def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the log-probability of its response tokens, summed, and their number (fp32)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+def sequence_logps(model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the log-probability of its response tokens, summed, and their number (fp32). `chunked`: from the
+    chunked head (--chunked_cross_entropy), without the batch x sequence x vocabulary logits."""
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+    if chunked:  # feature: chunked loss
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                     per_row_logps=True, use_cache=False).logps, (targets != -100).sum(1)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     per_token = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none")
     return per_token.sum(1), (targets != -100).sum(1)
+
+
+def chunked_head(args) -> bool:
+    """--chunked_cross_entropy (absent from a copy without that feature)."""
+    return getattr(args, "chunked_cross_entropy", False)
 
 
 def pair_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, beta: float, loss_type: str
@@ -318,7 +331,7 @@ def pair_figures(losses: torch.Tensor, rewards: torch.Tensor, policy: torch.Tens
 def dpo_forward(model, reference_logps, batch: dict, args, num_items: torch.Tensor) -> ModelOutput:
     """One micro-batch: `loss` = its pairs' loss sum / `num_items` (the window's pair count on all processes), so
     `backward_loss` scales it as the token losses of the other recipes; `figures`: per pair, for the metrics."""
-    policy, counts = sequence_logps(model, batch)
+    policy, counts = sequence_logps(model, batch, chunked_head(args))
     with torch.no_grad():
         reference = batch["ref_logps"] if "ref_logps" in batch else reference_logps(batch)
     losses, rewards = pair_losses(policy, reference.float(), counts, args.beta, args.loss_type)
@@ -371,7 +384,7 @@ def build_reference(args, config, accelerator, model, vocab_size: int, data, col
     """After `prepare`: batch -> the reference's log-probabilities (`reference_forward`); None with
     --precompute_ref_log_probs, whose values then travel with the batches and whose reference is freed."""
     reference = load_reference(args, config, accelerator, vocab_size)
-    forward = reference_forward(accelerator, model, reference)
+    forward = reference_forward(accelerator, model, reference, chunked_head(args))
     if not args.precompute_ref_log_probs:
         return forward
     precompute_reference(args, accelerator, forward, data, collators)
@@ -390,6 +403,8 @@ def load_reference(args, config, accelerator, vocab_size: int):
     reference = build_causal_lm(unchecked, config, vocab_size, dtype=torch.float32)
     reference.requires_grad_(False)
     reference.eval()
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        use_chunked_loss(reference)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return prepare_zero_reference(accelerator, reference)
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -416,18 +431,18 @@ def prepare_zero_reference(accelerator, reference):
     return engine
 
 
-def reference_forward(accelerator, model, reference):
+def reference_forward(accelerator, model, reference, chunked: bool = False):
     """batch -> the reference's summed response log-probabilities per row (no gradient, eval mode, the run's
     precision)."""
     def forward(batch: dict) -> torch.Tensor:
         if reference is not None:
             with accelerator.autocast():
-                return sequence_logps(reference, batch)[0]
+                return sequence_logps(reference, batch, chunked)[0]
         module = accelerator.unwrap_model(model)  # feature: lora
         was_training = module.training  # feature: lora
         module.eval()  # feature: lora
         with module.disable_adapter(), accelerator.autocast():  # feature: lora
-            logps = sequence_logps(module, batch)[0]  # feature: lora
+            logps = sequence_logps(module, batch, chunked)[0]  # feature: lora
         module.train(was_training)  # feature: lora
         return logps  # feature: lora
     return forward
@@ -599,6 +614,8 @@ def build_model(args, config, accelerator, vocab_size: int):
         load_kwargs = base_model_kwargs(args, accelerator, "CAUSAL_LM")  # a 16-bit (or 4-bit) frozen base
     model = build_causal_lm(args, config, vocab_size, **load_kwargs)
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
+    if args.chunked_cross_entropy:  # feature: chunked loss
+        use_chunked_loss(model)
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "CAUSAL_LM")
     if not args.keep_dropout:

@@ -8,6 +8,7 @@ after 3 AdamW steps to WEIGHT_TOL = 1e-5 (as tests/test_finetune_causal_lm.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -168,6 +169,46 @@ def test_loss_and_gradient_equal_a_plain_torch_computation(dpo, loss_type):
     assert max((grads[n] - p.grad).abs().max().item() for n, p in policy.named_parameters()) <= 1e-6 * max(1.0, scale)
 
 
+def test_chunked_head_gives_the_same_loss_and_gradient(dpo):
+    """--chunked_cross_entropy: the sequence log-probabilities come from torch's chunked F.linear_cross_entropy
+    (per-token losses, summed per row in fp32) through the head module's own forward, never the full logits. The
+    loss and every weight's gradient equal the unchunked ones to 1e-6, for the policy and for a frozen reference."""
+    import copy
+
+    dpo_script = load_script("finetune_dpo")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.features.chunked_loss import use_chunked_loss
+
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    policy = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    chunked_policy, chunked_reference = copy.deepcopy(policy), copy.deepcopy(reference)
+    use_chunked_loss(chunked_policy)
+    use_chunked_loss(chunked_reference)
+    rows = rows_of(dpo["train"])[:6]
+    columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
+    pairs = dpo_script.tokenize_pairs(columns, list(range(6)), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(6)])
+    results = []
+    for model, ref, chunked in ((policy, reference, False), (chunked_policy, chunked_reference, True)):
+        args = argparse.Namespace(beta=0.1, loss_type="sigmoid", chunked_cross_entropy=chunked)
+        forward = lambda b: dpo_script.sequence_logps(ref, b, chunked)[0]  # noqa: E731
+        outputs = dpo_script.dpo_forward(model, forward, batch, args, torch.tensor(6))
+        outputs.loss.backward()
+        results.append((outputs.loss.item(), outputs.figures, {n: p.grad for n, p in model.named_parameters()}))
+    (loss, figures, grads), (chunked_loss, chunked_figures, chunked_grads) = results
+    scale = max(g.abs().max().item() for g in grads.values())
+    assert scale > 1e-3 and loss != pytest.approx(0.6931, abs=1e-3)  # real log-ratios and gradients
+    assert abs(chunked_loss - loss) <= 1e-6
+    assert (chunked_figures - figures).abs().max().item() <= 1e-4  # log-probabilities: sums of ~100 tokens, ~50
+    assert max((chunked_grads[n] - g).abs().max().item() for n, g in grads.items()) <= 1e-6 * max(1.0, scale)
+
+
 def test_first_step_loss_and_gradient_equal_a_plain_torch_computation(dpo, tmp_path):
     """The recipe's step 1 on the whole training set in one batch: its logged loss and its gradient equal the plain
     computation's. The gradient is read from the exported weights: AdamW's first update is lr * g / (|g| + eps), so
@@ -236,6 +277,19 @@ def test_zero3_and_fsdp2_equal_one_process(dpo, one_process):
         "ZeRO-3": train_dpo(dpo, f"{d}/zero3", *common, launcher=launcher("deepspeed_zero3.yaml")),
         "FSDP2, precomputed": train_dpo(dpo, f"{d}/fsdp2", *common, "--precompute_ref_log_probs", "--cache_dir",
                                         f"{d}/fsdp2-cache", launcher=fsdp_launcher(2)),
+    }, one_process)
+
+
+def test_chunked_cross_entropy_trains_as_the_full_logits(dpo, one_process):
+    """--chunked_cross_entropy on one process and under ZeRO-3 on 2 processes (the head's weight gathered inside the
+    head's own forward, for the policy and for the partitioned reference): the full-logits run's losses and weights."""
+    d = dpo["dir"]
+    assert_same_training({
+        "1 process, chunked": train_dpo(dpo, f"{d}/chunked", "--per_device_train_batch_size", "8",
+                                        "--chunked_cross_entropy"),
+        "ZeRO-3, chunked": train_dpo(dpo, f"{d}/zero3-chunked", "--per_device_train_batch_size", "2",
+                                     "--gradient_accumulation_steps", "2", "--chunked_cross_entropy",
+                                     launcher=launcher("deepspeed_zero3.yaml")),
     }, one_process)
 
 

@@ -10,18 +10,21 @@ normalisation holds unchanged.
 
 The head's weight is only read inside the head module's own forward: ZeRO-3 gathers it there and FSDP2 has it
 unsharded, which a loss computed outside that forward would not see (an empty shard or a DTensor). A forward with
-labels returns the loss and no logits; without labels (evaluation, generation) the model is unchanged.
+labels returns the loss and no logits; with `per_row_logps=True` as well, each row's summed log-probability of its
+labelled tokens (`outputs.logps`, fp32: DPO's sequence log-probabilities); without labels (evaluation, generation)
+the model is unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from common.errors import fail
 
@@ -53,17 +56,25 @@ def use_chunked_loss(model: PreTrainedModel) -> None:
     model.forward = types.MethodType(_forward, model)
 
 
+@dataclass
+class RowLogps(ModelOutput):
+    logps: torch.Tensor | None = None  # per row: the summed log-probability of its labelled tokens
+
+
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None,
-             **kwargs):
+             per_row_logps=False, **kwargs):
     if labels is None:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
                                   position_ids=position_ids, **kwargs)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-    loss = self.get_output_embeddings()(outputs.last_hidden_state, labels, num_items_in_batch)
+    loss = self.get_output_embeddings()(outputs.last_hidden_state, labels, num_items_in_batch, per_row_logps)
+    if per_row_logps:
+        return RowLogps(logps=loss)
     return CausalLMOutputWithPast(loss=loss, past_key_values=outputs.past_key_values)
 
 
-def _head_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, num_items_in_batch=None):
+def _head_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, num_items_in_batch=None,
+                  per_row_logps: bool = False):
     if labels is None:
         return F.linear(hidden, self.weight, self.bias)
     targets = F.pad(labels[..., 1:], (0, 1), value=-100).reshape(-1)  # position t predicts token t + 1
@@ -75,10 +86,12 @@ def _head_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None
         bias = None if bias is None else bias.to(dtype)
     # A 16-bit "sum" comes back rounded to 16 bits (0.7 % off over 512 tokens, measured); per-token losses summed in
     # fp32 are exact to 5e-5, for one more pass over the chunks' logits in the backward.
-    reduction = "sum" if hidden.dtype == torch.float32 else "none"
+    reduction = "sum" if hidden.dtype == torch.float32 and not per_row_logps else "none"
     with torch.autocast(device, enabled=False):
         losses = F.linear_cross_entropy(hidden, weight, targets, linear_bias=bias, reduction=reduction,
                                         ignore_index=-100, options=OPTIONS)
+    if per_row_logps:  # an ignored target's loss is 0
+        return -losses.float().view(labels.shape).sum(1)
     count = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
     return losses.float().sum() / count
 
