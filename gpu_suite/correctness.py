@@ -74,16 +74,23 @@ def check_accumulation(suite: Suite) -> Outcome:
     reference = suite.reference_run()
     if run.error or reference.error:
         return Outcome(FAIL, run.error or f"the bf16 (8 x 1) run failed: {reference.error}")
-    problems = loss_problems(run, suite.settings.steps)
+    problems, loss_gap, weight_gap = same_training(run, reference, suite.settings.steps, "8 x 1")
+    return verdict(problems, f"{batch // 4}x4 vs {batch}x1: losses within {loss_gap:.1e}, weights {weight_gap:.1e}",
+                   {"loss_gap": loss_gap, "weight_gap": weight_gap})
+
+
+def same_training(run, reference, steps: int, of: str) -> tuple[list[str], float, float]:
+    """(problems, largest relative loss gap, relative weight distance) of `run` against `reference`'s, both within
+    bf16 tolerance."""
+    problems = loss_problems(run, steps)
     gaps = [abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses)]
     loss_gap = max(gaps) if gaps and len(run.losses) == len(reference.losses) else math.inf
     weight_gap = weight_distance(reference.out, run.out)
     if not loss_gap <= BF16_RTOL:
-        problems.append(f"losses differ from 8 x 1 by up to {loss_gap:.2e} (tolerance {BF16_RTOL})")
+        problems.append(f"losses differ from {of}'s by up to {loss_gap:.2e} (tolerance {BF16_RTOL})")
     if not weight_gap <= BF16_RTOL:
-        problems.append(f"weights differ from 8 x 1 by {weight_gap:.2e} relative (tolerance {BF16_RTOL})")
-    return verdict(problems, f"{batch // 4}x4 vs {batch}x1: losses within {loss_gap:.1e}, weights {weight_gap:.1e}",
-                   {"loss_gap": loss_gap, "weight_gap": weight_gap})
+        problems.append(f"weights differ from {of}'s by {weight_gap:.2e} relative (tolerance {BF16_RTOL})")
+    return problems, loss_gap, weight_gap
 
 
 def check_sft(suite: Suite) -> Outcome:
@@ -142,14 +149,7 @@ def check_dpo_precomputed(suite: Suite) -> Outcome:
     run, reference = dpo_run(suite, "dpo_precomputed", ["--precompute_ref_log_probs"]), dpo_reference_run(suite)
     if run.error or reference.error:
         return Outcome(FAIL, run.error or f"the dpo (live reference) run failed: {reference.error}")
-    problems = loss_problems(run, suite.settings.steps)
-    gaps = [abs(a - b) / abs(b) for a, b in zip(run.losses, reference.losses)]
-    loss_gap = max(gaps) if gaps and len(run.losses) == len(reference.losses) else math.inf
-    weight_gap = weight_distance(reference.out, run.out)
-    if not loss_gap <= BF16_RTOL:
-        problems.append(f"losses differ from the live reference's by up to {loss_gap:.2e} (tolerance {BF16_RTOL})")
-    if not weight_gap <= BF16_RTOL:
-        problems.append(f"weights differ from the live reference's by {weight_gap:.2e} (tolerance {BF16_RTOL})")
+    problems, loss_gap, weight_gap = same_training(run, reference, suite.settings.steps, "the live reference")
     return verdict(problems, f"vs live reference: losses within {loss_gap:.1e}, weights {weight_gap:.1e}",
                    {"loss_gap": loss_gap, "weight_gap": weight_gap})
 

@@ -133,12 +133,9 @@ def test_prompt_tokens_are_the_prompts_alone_and_padding_is_right(dpo):
     assert tokenizer.decode(chosen) == "beta<|endoftext|>" and tokenizer.decode(rejected) == "mu<|endoftext|>"
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_loss_and_gradient_equal_a_plain_torch_computation(dpo, loss_type):
-    """The recipe's padded 2B-row forward and loss (`dpo_forward`, with the window's pair count), against the plain
-    computation above: the same loss and the same gradient of every weight, to 1e-6 (relative where they exceed 1). The policy starts a little away
-    from the reference (one noisy copy) so that the log-ratios are not all zero."""
-    dpo_script = load_script("finetune_dpo")
+def tokenizer_policy_and_reference(dpo: dict):
+    """The tokenizer, a policy a little away from the reference (one noisy copy: log-ratios not all zero), and the
+    reference, both float32 in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
@@ -148,10 +145,25 @@ def test_loss_and_gradient_equal_a_plain_torch_computation(dpo, loss_type):
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    rows = rows_of(dpo["train"])[:6]
+    return tokenizer, policy, reference
+
+
+def pair_examples(dpo_script, tokenizer, rows: list[dict]) -> list[dict]:
+    """The recipe's tokenized pairs of `rows`, one example each (what its collator takes)."""
     columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
-    pairs = dpo_script.tokenize_pairs(columns, list(range(6)), tokenizer, 512, ("prompt", "chosen", "rejected"))
-    examples = [{k: v[i] for k, v in pairs.items()} for i in range(6)]
+    pairs = dpo_script.tokenize_pairs(columns, list(range(len(rows))), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    return [{k: v[i] for k, v in pairs.items()} for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_loss_and_gradient_equal_a_plain_torch_computation(dpo, loss_type):
+    """The recipe's padded 2B-row forward and loss (`dpo_forward`, with the window's pair count), against the plain
+    computation above: the same loss and the same gradient of every weight, to 1e-6 (relative where they exceed
+    1)."""
+    dpo_script = load_script("finetune_dpo")
+    tokenizer, policy, reference = tokenizer_policy_and_reference(dpo)
+    rows = rows_of(dpo["train"])[:6]
+    examples = pair_examples(dpo_script, tokenizer, rows)
     collate = dpo_script.PairCollator(tokenizer.pad_token_id, 8)
     args = type("Args", (), {"beta": 0.1, "loss_type": loss_type})
     num_items = torch.tensor(6)
@@ -176,24 +188,14 @@ def test_chunked_head_gives_the_same_loss_and_gradient(dpo):
     import copy
 
     dpo_script = load_script("finetune_dpo")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from common.features.chunked_loss import use_chunked_loss
 
-    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
-    policy = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    tokenizer, policy, reference = tokenizer_policy_and_reference(dpo)
     chunked_policy, chunked_reference = copy.deepcopy(policy), copy.deepcopy(reference)
     use_chunked_loss(chunked_policy)
     use_chunked_loss(chunked_reference)
-    rows = rows_of(dpo["train"])[:6]
-    columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
-    pairs = dpo_script.tokenize_pairs(columns, list(range(6)), tokenizer, 512, ("prompt", "chosen", "rejected"))
-    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(6)])
+    examples = pair_examples(dpo_script, tokenizer, rows_of(dpo["train"])[:6])
+    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)(examples)
     results = []
     for model, ref, chunked in ((policy, reference, False), (chunked_policy, chunked_reference, True)):
         args = argparse.Namespace(beta=0.1, loss_type="sigmoid", chunked_cross_entropy=chunked)
