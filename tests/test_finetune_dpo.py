@@ -282,6 +282,19 @@ def test_zero3_and_fsdp2_equal_one_process(dpo, one_process):
     }, one_process)
 
 
+def test_zero2_and_gradient_checkpointing_equal_one_process(dpo, one_process):
+    """DeepSpeed ZeRO-2 on 2 processes x 2 x 2 (the live reference a whole copy per process, prepared by DeepSpeed for
+    inference), and --gradient_checkpointing on one process (the policy's layers recomputed in the backward; the
+    reference, which has no backward, is built without it): the one-process run's losses and weights."""
+    d = dpo["dir"]
+    assert_same_training({
+        "ZeRO-2": train_dpo(dpo, f"{d}/zero2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                            "2", launcher=launcher("deepspeed_zero2.yaml")),
+        "1 process, checkpointing": train_dpo(dpo, f"{d}/checkpointing", "--per_device_train_batch_size", "8",
+                                              "--gradient_checkpointing"),
+    }, one_process)
+
+
 def test_chunked_cross_entropy_trains_as_the_full_logits(dpo, one_process):
     """--chunked_cross_entropy on one process and under ZeRO-3 on 2 processes (the head's weight gathered inside the
     head's own forward, for the policy and for the partitioned reference): the full-logits run's losses and weights."""
