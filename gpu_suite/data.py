@@ -28,9 +28,10 @@ def prepare_data(suite: Suite) -> None:
     cut = len(texts) * 9 // 10
     for split, part in (("train", texts[:cut]), ("validation", texts[cut:])):
         suite.data[split] = write_jsonl(os.path.join(d, f"{split}.jsonl"), [{"text": t} for t in part])
-    if "sft" in suite.planned or any(name.startswith("dpo") for name in suite.planned):
+    dpo = any(name.startswith("dpo") for name in suite.planned)  # the DPO rows start from the SFT row's model
+    if "sft" in suite.planned or dpo:
         prepare_sft(suite, d, rng)
-    if any(name.startswith("dpo") for name in suite.planned):
+    if dpo:
         prepare_dpo(suite, d, random.Random(1))
     if "classifier" in suite.planned:
         prepare_classifier(suite, d)
