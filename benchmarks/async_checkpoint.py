@@ -101,9 +101,10 @@ def main() -> None:
     optimizer_step(model, optimizer)  # the moments exist from here on
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + two moments
     plain = optimizer_step(model, optimizer)
-    rows = [run_mode(accelerator, model, optimizer, os.path.join(args.output_dir, mode), args.saves,
-                     background=mode == "async") for mode in ("blocking", "async")]
-    for mode in ("blocking", "async"):
+    rows = []
+    for mode in ("blocking", "async"):  # each mode's checkpoints removed before the next: half the disk at most
+        rows.append(run_mode(accelerator, model, optimizer, os.path.join(args.output_dir, mode), args.saves,
+                             background=mode == "async"))
         shutil.rmtree(os.path.join(args.output_dir, mode), ignore_errors=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     result = {"preset": args.model_preset, "state_bytes": state_bytes, "device": device, "torch": torch.__version__,

@@ -36,7 +36,7 @@ SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plai
 CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
             "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier", "perf_baseline",
-            "perf_long_op", "perf_lora_8b"}
+            "perf_long_op", "perf_lora_8b", "perf_async_checkpoint"}
 LOSS = re.compile(r"loss (-?[\d.]+|nan|inf) -> (-?[\d.]+|nan|inf) in (\d+) steps")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check")
@@ -99,6 +99,7 @@ def test_cpu_rows_really_run_and_pass(dry_run):
     assert "accuracy" in rows["classifier"][1]
     assert "held-out rewards/accuracies" in rows["dpo"][1]
     assert rows["dpo_precomputed"][1].startswith("vs live reference: losses within ")
+    assert all(f"per {mode} save" in rows["perf_async_checkpoint"][1] for mode in ("blocking", "async"))
     deselected = {name for name, (status, figure) in rows.items() if figure == "not selected (--only / --skip)"}
     assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "fsdp2", "perf_bf16_compile",
                           "perf_bf16_compile_checkpointing", "perf_bf16_compile_8bit", "perf_bf16_compile_chunked",
