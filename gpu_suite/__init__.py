@@ -17,6 +17,6 @@ tools/lent_gpu.sh runs it on a lent GPU machine reached through a file-carrying 
 
 Modules: suite (the runs and their settings), data (the runs' local data), checks (what every row checks),
 correctness (part 1's rows), performance (part 2's rows), adapters (part 2's LoRA and QLoRA rows on an 8B-shaped
-model), headline (the headline part's rows, their order and caps), schedule (which rows run, in what order), report
+model), checkpoints (part 2's asynchronous-checkpoint row), headline (the headline part's rows, their order and caps), schedule (which rows run, in what order), report
 (the table and the results files), runner (how a run is started), cli (the flags and main).
 """
