@@ -15,8 +15,9 @@ figure); results go to `<results_dir>/gpu-suite-<date>-part<N>.md/.json` (`-head
 run writes `gpu-suite-dry-run-*` files elsewhere), written again as each row ends. Exit status 1 when a row failed.
 tools/lent_gpu.sh runs it on a lent GPU machine reached through a file-carrying command.
 
-Modules: suite (the runs and their settings), data (the runs' local data), checks (what every row checks),
-correctness (part 1's rows), performance (part 2's rows), adapters (part 2's LoRA and QLoRA rows on an 8B-shaped
-model), checkpoints (part 2's asynchronous-checkpoint row), headline (the headline part's rows, their order and caps), schedule (which rows run, in what order), report
-(the table and the results files), runner (how a run is started), cli (the flags and main).
+Modules: suite (the runs and their settings), data (the runs' local data), checks (what every row checks), correctness
+(part 1's rows), performance (part 2's rows), adapters (part 2's LoRA and QLoRA rows on an 8B-shaped model),
+checkpoints (part 2's asynchronous-checkpoint row), headline (the headline part's rows, their order and caps),
+schedule (which rows run, in what order), report (the table and the results files), runner (how a run is started), cli
+(the flags and main).
 """
