@@ -3,14 +3,19 @@
 
     python benchmarks/plain_loop.py --model_preset tiny --bf16 --max_steps 20 --logging_steps 10
 
-Per optimizer step it does what a reader writes in ten lines: forward, `loss.backward()`, `optimizer.step()`,
-`scheduler.step()`, `zero_grad()` (under autocast and a GradScaler when --bf16/--fp16 ask for it). No clipping
-(`--max_grad_norm` is ignored: compare with the recipe's `--max_grad_norm 0` for the same work), no divergence
-guard, no stop signals, and nothing read from the device between `--logging_steps` rows. It shares the inputs of
-scripts/pretrain_llama.py: the same flags, data pipeline, tokenizer, blocks, shuffle and batch (common/inputs/data.py), the
-same model and initialisation (common/inputs/modeling.py), optimizer and schedule (common/optim.py). One process only; no
-evaluation, checkpoints or export. A row's loss is the step's last micro-batch's; with fixed-length blocks and
-without clipping its losses equal the pretraining script's.
+Per optimizer step it does what a careful reader writes in ten lines, as nanoGPT does: forward with
+`use_cache=False` (else transformers builds a KV cache in training and, compiled per layer, every decoder layer
+recompiles on its `layer_idx`), `loss.backward()`, `optimizer.step()`, `scheduler.step()`, `zero_grad()` (under
+autocast and a GradScaler when --bf16/--fp16 ask for it), with the recipe's optimizer (`--optim adamw_torch_fused`:
+fused AdamW) and compilation (`--torch_compile`). No clipping (`--max_grad_norm` is ignored: compare with the recipe's
+`--max_grad_norm 0` for the same work), no divergence guard, no stop signals. The loss is read only on
+`--logging_steps` rows, before the timer stops: a row's time includes its steps' device work.
+
+It shares the inputs of scripts/pretrain_llama.py: the same flags, data pipeline, tokenizer, blocks, shuffle and batch
+(common/inputs/data.py), the same model and initialisation (common/inputs/modeling.py), optimizer and schedule
+(common/optim.py). One process only; no evaluation, checkpoints or export; with --torch_compile, all_results.json
+counts the graphs compiled. A row's loss is the step's last micro-batch's; with fixed-length blocks and without
+clipping its losses equal the pretraining script's (tests/test_benchmark.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, pe
 from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
                                     load_config)
 from common.optim import create_optimizer
-from common.features.compile import add_compile_args, check_compile_flags, compile_model
+from common.features.compile import add_compile_args, check_compile_flags, compile_counts, compile_model
 from common.features.cpu_threads import use_all_cores
 from common.flags import check_common_flags
 
@@ -116,7 +121,7 @@ def main() -> None:
             for _ in range(ga):
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = model(**batch).loss / ga
+                    loss = model(**batch, use_cache=False).loss / ga  # training: no KV cache
                 scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -125,8 +130,9 @@ def main() -> None:
             step += 1
             throughput.add(ga * batch["input_ids"].numel())
             if step % args.logging_steps == 0 or step == total_steps:
+                step_loss = loss.item() * ga  # the only read: it waits for the device, then the timer stops
                 tokens_per_second = throughput.report()
-                row = {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": loss.item() * ga,
+                row = {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": step_loss,
                        "lr": lr, "tokens_per_second": tokens_per_second,
                        "peak_memory_bytes": peak_memory_bytes()}
                 if peak_flops:
@@ -136,7 +142,8 @@ def main() -> None:
                 metrics.write(row)
                 print(f"step {step}: loss {row['loss']:.4f} tok/s {tokens_per_second:,.0f}", flush=True)
     write_all_results(args.output_dir, {"train_loss": row.get("loss"), "train_steps": step, "num_processes": 1,
-                                        "num_parameters": total_params, "peak_memory_bytes": peak_memory_bytes()})
+                                        "num_parameters": total_params, "peak_memory_bytes": peak_memory_bytes(),
+                                        **(compile_counts() if args.torch_compile else {})})
 
 
 if __name__ == "__main__":

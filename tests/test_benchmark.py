@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script, train_losses
 
 BENCHMARK, PLAIN_LOOP = (os.path.join(ROOT, "benchmarks", name) for name in ("benchmark.py", "plain_loop.py"))
 
@@ -102,3 +102,40 @@ def test_bad_input_fails_fast_with_one_line(tmp_path, args, message):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(message)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="module")
+def ten_layers(tmp_path_factory) -> str:
+    """A --config_name folder: a small Llama with more decoder layers (10) than torch's recompile limit (8)."""
+    from transformers import LlamaConfig
+
+    path = str(tmp_path_factory.mktemp("ten_layers"))
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=10, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(path)
+    return path
+
+
+def test_plain_loop_compiles_each_layer_once(tmp_path, corpus, ten_layers):
+    """Compiled layer by layer, ten layers share one graph and nothing breaks it. A training forward that builds a KV
+    cache (the config's use_cache=True) compiled a graph per layer on its `layer_idx`, up to torch's recompile limit
+    (8), then ran the rest eagerly: the textbook loop measured that, not training."""
+    run_script(PLAIN_LOOP, "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+               "--tokenizer_vocab_size", "512", "--block_size", "64", "--config_name", ten_layers, "--max_steps", "2",
+               "--torch_compile", "--torch_compile_backend", "aot_eager",  # dynamo's graphs, no kernels built
+               "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"))
+    with open(tmp_path / "out" / "all_results.json") as f:
+        results = json.load(f)
+    assert (results["compiled_graphs"], results["graph_breaks"]) == (1, 0)
+
+
+def test_plain_loop_losses_equal_the_recipes(tmp_path, corpus):
+    """Same seed, data, model, optimizer and schedule, no clipping: every step's loss is the recipe's."""
+    common = ("--train_file", corpus["train"], "--validation_file", corpus["validation"], "--tokenizer_vocab_size",
+              "512", "--block_size", "64", "--max_steps", "4", "--logging_steps", "1", "--max_grad_norm", "0",
+              "--cache_dir", str(tmp_path / "cache"))
+    run_script("pretrain_llama.py", *common, "--sample_max_new_tokens", "0", "--max_eval_samples", "2",
+               "--output_dir", str(tmp_path / "recipe"))
+    run_script(PLAIN_LOOP, *common, "--output_dir", str(tmp_path / "plain"))
+    recipe, plain = (train_losses(str(tmp_path / name)) for name in ("recipe", "plain"))
+    assert list(plain) == list(recipe) == [1, 2, 3, 4]
+    assert list(plain.values()) == pytest.approx(list(recipe.values()), rel=1e-6, abs=0)
