@@ -46,7 +46,12 @@ def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float
 
     `outputs.loss`: from a forward with `num_items_in_batch=count_label_tokens(...)` (a mixture-of-experts balancing
     loss in it stays a mean over micro-batches). Processes sharing one batch (sp_size) are averaged over once.
+    The logits are dropped from `outputs`.
     """
+    if isinstance(outputs, dict) and outputs.get("logits") is not None:
+        # Nothing after the loss reads them; kept (in fp32: accelerate upcasts a mixed-precision model's outputs),
+        # they stay alive through the backward, 4 bytes per token per vocabulary entry at the loss's peak.
+        outputs["logits"] = None  # item, not attribute: a ModelOutput keeps an item set to None by attribute
     pc = accelerator.parallelism_config
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes // (pc.non_data_parallel_size if pc else 1)
     aux = getattr(outputs, "aux_loss", None)

@@ -126,3 +126,22 @@ def test_a_model_that_ignores_num_items_in_batch_is_stopped_with_one_line(model_
     assert len(err.splitlines()) == 1
     assert err.startswith("error: MeanLossLlama's loss ignores num_items_in_batch (doubling it changed the loss by "
                           "x1, not x0.5), so its gradients would come out 4 times too large")
+
+
+def test_the_loss_leaves_no_logits_alive_through_the_backward():
+    """A mixed-precision forward's outputs hold accelerate's fp32 copy of the logits; the loop keeps `outputs` through
+    `accelerator.backward`, so `backward_loss` drops them: nothing references that tensor once it returns."""
+    import weakref
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = accelerator.prepare(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                             num_hidden_layers=1, num_attention_heads=4)))
+    batch = padded_batches(2, seed=0)[0]
+    outputs = model(**batch, num_items_in_batch=count_label_tokens([batch], accelerator))
+    assert outputs.logits.dtype == torch.float32  # accelerate's upcast copy
+    logits = weakref.ref(outputs.logits)
+    loss, _ = backward_loss(outputs, accelerator)
+    assert logits() is None and outputs.logits is None and outputs["logits"] is None
+    accelerator.backward(loss)  # the backward still runs
