@@ -26,10 +26,7 @@ training (cached under --cache_dir) and the reference freed. Dropout is off in b
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
-import hashlib
-import json
 import math
 import os
 import sys
@@ -43,7 +40,6 @@ import torch.nn.functional as F
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import ModelOutput
 
@@ -54,15 +50,14 @@ from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
+from common.inputs.data import check_data_files
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
-from common.inputs.responses import build_preference_task, chat_problem, tokenize_prompt_and_responses
+from common.inputs.pairs import PairCollator, check_chat_template, load_preference_data
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
 from common.steps import count_optimizer_steps, optimizer_step_windows
-from common.upstream import dataset_fingerprint
 from common.features.async_checkpoint import (add_async_checkpoint_args, save_in_background,
                                               wait_for_checkpoint)  # feature: async checkpoint
 from common.features.checksums import record_files, verify_checkpoint  # feature: checksums
@@ -71,6 +66,8 @@ from common.features.compile import (add_compile_args, check_compile_flags, comp
                                      compile_model)  # feature: torch compile
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
+from common.features.dpo_reference import precompute_reference  # feature: precomputed reference
+from common.features.dpo_reference import shard_reference  # feature: sharded reference
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
@@ -108,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--chat_template", help="A Jinja chat template file, for a tokenizer that has none.")
     g.add_argument("--beta", type=float, default=0.1, help="How far from the reference the policy may move.")
     g.add_argument("--loss_type", default="sigmoid", choices=LOSS_TYPES, help="DPO's loss, or IPO's, or a hinge.")
-    g.add_argument("--precompute_ref_log_probs", action="store_true",
+    g.add_argument("--precompute_ref_log_probs", action="store_true",  # feature: precomputed reference
                    help="Compute the reference's log-probabilities once before training, then free the reference.")
     g.add_argument("--keep_dropout", action="store_true",
                    help="Keep the model's dropout in the policy (off by default, as in TRL; the reference never has it).")
@@ -118,10 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_divergence_flags(args)  # feature: divergence guard
     check_compile_flags(args)  # feature: torch compile
     check_peft_flags(args)  # feature: lora
-    if not args.beta > 0:
-        fail(f"--beta must be > 0 (got {args.beta})")
-    if args.chat_template and not os.path.isfile(args.chat_template):
-        fail(f"--chat_template {args.chat_template}: no such file")
+    if not 0 < args.beta < math.inf:
+        fail(f"--beta must be a finite number > 0 (got {args.beta})")
+    if args.chat_template:
+        check_chat_template(args.chat_template)
     return args
 
 
@@ -148,121 +145,6 @@ def main() -> None:
     wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)
     sys.exit(status)
-
-
-# ---- data: rows -> (prompt ids, chosen ids, rejected ids) -> padded batches of 2B rows --------------------------------
-def load_preference_data(args, accelerator, config, resume_from: str | None):
-    """Rows -> prompt and response token ids: (tokenizer, datasets with prompt_ids/chosen_ids/rejected_ids/index)."""
-    if not args.train_file and not args.dataset_name:
-        with accelerator.main_process_first():
-            args.train_file, args.validation_file = build_preference_task(args.cache_dir)
-    columns = {args.prompt_column: "--prompt_column", args.chosen_column: "--chosen_column",
-               args.rejected_column: "--rejected_column"}
-    raw = load_raw_datasets(args, columns=columns, check_rows=partial(find_untrainable_pair, args=args))
-    tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            tokenizer.chat_template = f.read()
-    if not isinstance(raw["train"][0][args.prompt_column], str) and not tokenizer.chat_template:
-        fail(f"the data has chat turns ('{args.prompt_column}') but the tokenizer has no chat template: pass "
-             "--chat_template FILE, or use plain-text columns")
-    max_length = args.max_seq_length or min(tokenizer.model_max_length,
-                                            getattr(config, "max_position_embeddings", None) or 2048, 2048)
-    with accelerator.main_process_first():
-        data = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=args.preprocessing_num_workers,
-                       fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, columns=tuple(columns)),
-                       remove_columns=raw["train"].column_names, desc="Tokenizing")
-    for split in ("train", "validation"):
-        if len(data[split]) < len(raw[split]):
-            logger.info(f"{len(raw[split]) - len(data[split])} {split} pairs dropped: their prompt fills "
-                        f"--max_seq_length {max_length}")
-        if len(data[split]) == 0:
-            fail(f"no {split} pair has a response token within --max_seq_length {max_length}")
-    logger.info(f"{len(data['train'])} training pairs (at most {max_length} tokens a sequence)")
-    return tokenizer, data
-
-
-def tokenize_pairs(batch: dict, indices: list[int], tokenizer, max_length: int, columns: tuple[str, str, str]) -> dict:
-    """`datasets.map` function: prompt, chosen, rejected -> token ids, responses cut to fit `max_length` with their
-    prompt. `index` (the row's position) keys the precomputed reference values. Pairs whose prompt alone fills
-    `max_length` are dropped: they have nothing to learn."""
-    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "index": [], "length": []}
-    prompt_column, chosen_column, rejected_column = columns
-    for i, index in enumerate(indices):
-        prompt_ids, (chosen, rejected) = tokenize_prompt_and_responses(
-            tokenizer, batch[prompt_column][i], [batch[chosen_column][i], batch[rejected_column][i]])
-        room = max_length - len(prompt_ids)
-        if room < 1:
-            continue
-        out["prompt_ids"].append(prompt_ids)
-        out["chosen_ids"].append(chosen[:room])
-        out["rejected_ids"].append(rejected[:room])
-        out["index"].append(index)
-        out["length"].append(len(prompt_ids) + max(len(chosen[:room]), len(rejected[:room])))
-    return out
-
-
-class PairCollator:
-    """Pairs -> one batch of 2B rows, the B chosen rows then the B rejected ones: prompt + response ids right-padded
-    (the pad id is never attended to nor learned), labels -100 on the prompt and the padding. With precomputed
-    reference values (`reference_logps[index]`: chosen, rejected), the batch carries them as `ref_logps`."""
-
-    def __init__(self, pad_token_id: int, multiple: int) -> None:
-        self.pad_token_id, self.multiple = pad_token_id, multiple
-        self.reference_logps: torch.Tensor | None = None
-
-    def __call__(self, examples: list[dict]) -> dict:
-        rows = [(e["prompt_ids"], e[key]) for key in ("chosen_ids", "rejected_ids") for e in examples]
-        width = max(len(p) + len(r) for p, r in rows)
-        width = -(-width // self.multiple) * self.multiple
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), -100, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, (prompt, response) in enumerate(rows):
-            n = len(prompt) + len(response)
-            input_ids[row, :n] = torch.tensor(prompt + response)
-            labels[row, len(prompt):n] = torch.tensor(response)
-            attention_mask[row, :n] = 1
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if self.reference_logps is not None:
-            index = torch.tensor([e["index"] for e in examples])
-            batch["ref_logps"] = self.reference_logps[index].T.reshape(-1)  # chosen rows, then rejected rows
-        return batch
-
-
-def find_untrainable_pair(raw, args) -> tuple[str, int, str] | None:
-    """The first row (split, index, problem) that cannot give a pair: a missing or empty prompt or response, chosen
-    equal to rejected, text mixed with chat turns, or chat turns that are not a conversation ending in an answer."""
-    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
-    for split in ("train", "validation"):
-        if split not in raw or not set(columns) <= set(raw[split].column_names):
-            continue  # the column check names what is missing
-        rows = raw[split].select_columns(columns)
-        for start in range(0, len(rows), 1000):
-            batch = rows[start:start + 1000]
-            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
-                problem = pair_problem(dict(zip(columns, values)), *columns)
-                if problem:
-                    return split, start + offset, problem
-    return None
-
-
-def pair_problem(row: dict, prompt_column: str, chosen_column: str, rejected_column: str) -> str | None:
-    prompt, chosen, rejected = row[prompt_column], row[chosen_column], row[rejected_column]
-    for column, value in row.items():
-        if value is None or (isinstance(value, str) and not value.strip() and column != prompt_column):
-            return f"has no '{column}' text" if value is None else f"has an empty '{column}' response"
-    if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(rejected, str):
-        return f"mixes plain text and chat turns in '{prompt_column}', '{chosen_column}', '{rejected_column}'"
-    if chosen == rejected:
-        return f"has the same '{chosen_column}' and '{rejected_column}': nothing to prefer"
-    if not isinstance(prompt, str):
-        for column, response in ((chosen_column, chosen), (rejected_column, rejected)):
-            problem = chat_problem(list(prompt) + list(response or []), column) if response else \
-                f"has no chat turns in '{column}'"
-            if problem or response[-1].get("role") != "assistant":
-                return problem or f"has no assistant turn at the end of '{column}': nothing to learn"
-    return None
 
 
 def build_dataloaders(args, accelerator, tokenizer, data):
@@ -385,12 +267,12 @@ def build_reference(args, config, accelerator, model, vocab_size: int, data, col
     --precompute_ref_log_probs, whose values then travel with the batches and whose reference is freed."""
     reference = load_reference(args, config, accelerator, vocab_size)
     forward = reference_forward(accelerator, model, reference, chunked_head(args))
-    if not args.precompute_ref_log_probs:
-        return forward
-    precompute_reference(args, accelerator, forward, data, collators)
-    del reference, forward
-    gc.collect()
-    return None
+    if args.precompute_ref_log_probs:  # feature: precomputed reference
+        precompute_reference(args, accelerator, config, forward, data, collators)
+        del reference, forward
+        gc.collect()
+        return None
+    return forward
 
 
 def load_reference(args, config, accelerator, vocab_size: int):
@@ -405,30 +287,9 @@ def load_reference(args, config, accelerator, vocab_size: int):
     reference.eval()
     if args.chunked_cross_entropy:  # feature: chunked loss
         use_chunked_loss(reference)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return prepare_zero_reference(accelerator, reference)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in getattr(getattr(reference, "model", None), "layers", []):  # sharded on the device as the policy
-            fully_shard(layer)
-        return fully_shard(reference)
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # feature: sharded reference
+        return shard_reference(accelerator, reference)
     return reference.to(accelerator.device)
-
-
-def prepare_zero_reference(accelerator, reference):
-    """DeepSpeed for inference: ZeRO-3 keeps the reference's parameters partitioned (gathered layer by layer in its
-    forward); other stages keep a whole copy per process. No optimizer."""
-    import deepspeed
-
-    stage = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
-              "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
-              "zero_optimization": {"stage": 3 if stage == 3 else 0}}
-    engine, *_ = deepspeed.initialize(model=reference, config=config)
-    engine.eval()
-    return engine
 
 
 def reference_forward(accelerator, model, reference, chunked: bool = False):
@@ -446,50 +307,6 @@ def reference_forward(accelerator, model, reference, chunked: bool = False):
         module.train(was_training)  # feature: lora
         return logps  # feature: lora
     return forward
-
-
-def precompute_reference(args, accelerator, forward, data, collators) -> None:
-    """--precompute_ref_log_probs: one pass of the reference over both splits, each process a share of the rows in
-    lockstep (ZeRO-3 and FSDP2 gather together); the values go to a cache under --cache_dir keyed by the model and
-    the data (written then renamed), and into the collators. A resumed run reads the cache."""
-    for split in ("train", "validation"):
-        dataset = data[split].remove_columns("length")
-        key = json.dumps([reference_key(args), dataset_fingerprint(dataset), accelerator.mixed_precision])
-        path = os.path.join(args.cache_dir, f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
-        if os.path.isfile(path):
-            collators[split].reference_logps = torch.load(path, weights_only=True)  # a tensor, nothing to unpickle
-            continue
-        originals = dataset["index"]  # each pair's row before pairs were dropped: what the collator looks up
-        rank, count = accelerator.process_index, accelerator.num_processes
-        mine = list(range(rank, len(dataset), count))
-        mine += mine[-1:] * (-(-len(dataset) // count) - len(mine))  # the same number of batches on every rank
-        rows = []
-        for start in tqdm(range(0, len(mine), args.per_device_eval_batch_size), desc=f"Reference log-probs ({split})",
-                          disable=not accelerator.is_local_main_process):
-            indices = mine[start:start + args.per_device_eval_batch_size]
-            batch = {k: v.to(accelerator.device) for k, v in collators[split]([dataset[i] for i in indices]).items()}
-            with torch.no_grad():
-                logps = forward(batch).float()
-            keys = torch.tensor([originals[i] for i in indices], device=logps.device, dtype=torch.float64)
-            rows.append(torch.stack([keys, *logps.double().chunk(2)], 1))
-        gathered = accelerator.gather(torch.cat(rows)).cpu()
-        values = torch.zeros(max(originals) + 1, 2)
-        values[gathered[:, 0].long()] = gathered[:, 1:].float()
-        if accelerator.is_main_process:
-            os.makedirs(args.cache_dir, exist_ok=True)
-            torch.save(values, path + f".tmp{os.getpid()}")
-            os.replace(path + f".tmp{os.getpid()}", path)  # never half a file under the name
-        collators[split].reference_logps = values
-    accelerator.wait_for_everyone()
-
-
-def reference_key(args) -> list:
-    """What the reference's values depend on: the model's files (path, sizes, times) or its hub id, the adapter."""
-    path = args.model_name_or_path
-    files = sorted((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
-                   for f in os.listdir(path)) if os.path.isdir(path) else []
-    peft = [getattr(args, name, None) for name in ("use_peft", "load_in_4bit")]  # none in a copy without LoRA
-    return [os.path.abspath(path) if files else path, files, *peft, args.attn_implementation]
 
 
 def disable_dropout(model) -> None:
@@ -528,7 +345,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     rewards = PairMetrics(accelerator)
     log.row_extras = rewards.row
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; reference "
-                f"{'precomputed' if args.precompute_ref_log_probs else 'live'}; "
+                f"{'live' if reference_logps else 'precomputed'}; "
                 f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in all; global batch "
                 f"{args.per_device_train_batch_size * ga * accelerator.num_processes} pairs")
 

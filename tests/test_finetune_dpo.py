@@ -22,6 +22,9 @@ from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses
 from safetensors.torch import load_file
 from test_finetune_causal_lm import load_script, max_difference
 
+from common.inputs.pairs import PairCollator, tokenize_pairs
+from common.inputs.responses import tokenize_prompt_and_responses
+
 WEIGHT_TOL = 1e-5
 LR = "1e-3"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -114,8 +117,8 @@ def test_prompt_tokens_are_the_prompts_alone_and_padding_is_right(dpo):
     tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
     rows = rows_of(dpo["train"])[:3]
     columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
-    pairs = dpo_script.tokenize_pairs(columns, [0, 1, 2], tokenizer, 512, ("prompt", "chosen", "rejected"))
-    collate = dpo_script.PairCollator(tokenizer.pad_token_id, 8)
+    pairs = tokenize_pairs(columns, [0, 1, 2], tokenizer, 512, ("prompt", "chosen", "rejected"))
+    collate = PairCollator(tokenizer.pad_token_id, 8)
     batch = collate([{k: v[i] for k, v in pairs.items()} for i in range(3)])
     assert batch["input_ids"].shape[0] == 6 and batch["input_ids"].shape[1] % 8 == 0
     for i, (row, key) in enumerate([(r, k) for k in ("chosen", "rejected") for r in rows]):
@@ -127,7 +130,7 @@ def test_prompt_tokens_are_the_prompts_alone_and_padding_is_right(dpo):
         assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (batch["labels"].shape[1] - n)
     tokenizer.chat_template = CHAT_TEMPLATE
     prompt_turns = [{"role": "user", "content": "alpha?"}]
-    prompt_ids, (chosen, rejected) = dpo_script.tokenize_prompt_and_responses(
+    prompt_ids, (chosen, rejected) = tokenize_prompt_and_responses(
         tokenizer, prompt_turns, [[{"role": "assistant", "content": "beta"}], [{"role": "assistant", "content": "mu"}]])
     assert tokenizer.decode(prompt_ids) == "<|user|>alpha?<|endoftext|><|assistant|>"
     assert tokenizer.decode(chosen) == "beta<|endoftext|>" and tokenizer.decode(rejected) == "mu<|endoftext|>"
@@ -151,7 +154,7 @@ def tokenizer_policy_and_reference(dpo: dict):
 def pair_examples(dpo_script, tokenizer, rows: list[dict]) -> list[dict]:
     """The recipe's tokenized pairs of `rows`, one example each (what its collator takes)."""
     columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
-    pairs = dpo_script.tokenize_pairs(columns, list(range(len(rows))), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    pairs = tokenize_pairs(columns, list(range(len(rows))), tokenizer, 512, ("prompt", "chosen", "rejected"))
     return [{k: v[i] for k, v in pairs.items()} for i in range(len(rows))]
 
 
@@ -164,7 +167,7 @@ def test_loss_and_gradient_equal_a_plain_torch_computation(dpo, loss_type):
     tokenizer, policy, reference = tokenizer_policy_and_reference(dpo)
     rows = rows_of(dpo["train"])[:6]
     examples = pair_examples(dpo_script, tokenizer, rows)
-    collate = dpo_script.PairCollator(tokenizer.pad_token_id, 8)
+    collate = PairCollator(tokenizer.pad_token_id, 8)
     args = type("Args", (), {"beta": 0.1, "loss_type": loss_type})
     num_items = torch.tensor(6)
     forward = lambda batch: dpo_script.sequence_logps(reference, batch)[0]  # noqa: E731
@@ -195,7 +198,7 @@ def test_chunked_head_gives_the_same_loss_and_gradient(dpo):
     use_chunked_loss(chunked_policy)
     use_chunked_loss(chunked_reference)
     examples = pair_examples(dpo_script, tokenizer, rows_of(dpo["train"])[:6])
-    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)(examples)
+    batch = PairCollator(tokenizer.pad_token_id, 8)(examples)
     results = []
     for model, ref, chunked in ((policy, reference, False), (chunked_policy, chunked_reference, True)):
         args = argparse.Namespace(beta=0.1, loss_type="sigmoid", chunked_cross_entropy=chunked)
@@ -360,12 +363,13 @@ def test_precomputed_reference_equals_the_live_one(dpo, one_process):
     final = [{k: v for k, v in r.items() if k != "time"} for out in (precomputed, one_process)
              for r in read_metrics(out) if "eval_loss" in r]
     assert final[0] == pytest.approx(final[1], abs=1e-5)
-    cached = sorted(n for n in os.listdir(cache) if n.startswith("dpo-reference-"))
-    assert len(cached) == 2 and all(n.endswith(".pt") for n in cached)  # train and validation, no leftover
-    stamps = [os.path.getmtime(os.path.join(cache, n)) for n in cached]
+    cached = sorted(os.listdir(cache))
+    assert len(cached) == 2 and all(n.startswith("dpo-reference-") and ".tmp" not in n for n in cached), cached
+    values = [os.path.join(cache, n, "reference_logps.pt") for n in cached]  # train and validation, no leftover
+    stamps = [os.path.getmtime(v) for v in values]
     again = train_dpo(dpo, f"{d}/precomputed-again", "--per_device_train_batch_size", "8",
                       "--precompute_ref_log_probs", "--cache_dir", cache, steps=1)
-    assert [os.path.getmtime(os.path.join(cache, n)) for n in cached] == stamps  # read, not recomputed
+    assert [os.path.getmtime(v) for v in values] == stamps  # read, not recomputed
     [first] = [r for r in read_metrics(again) if "loss" in r]  # wrong values would move step 1 off the reference
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == pytest.approx(0, abs=1e-6)
 
@@ -405,8 +409,8 @@ def test_the_disabled_adapter_is_the_base_model(dpo):
                 p.normal_(0, 0.5)
     rows = rows_of(dpo["train"])[:4]
     columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
-    pairs = dpo_script.tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
-    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
+    pairs = tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    batch = PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
     reference = dpo_script.reference_forward(accelerator, model, None)(batch)
     base = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -481,8 +485,8 @@ def test_qlora_trains_against_its_disabled_adapter_and_exports_merged(dpo, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
     rows = rows_of(dpo["validation"])[:4]
     columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
-    pairs = dpo_script.tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
-    batch = dpo_script.PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
+    pairs = tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
+    batch = PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
     with torch.no_grad():
         merged, base = (dpo_script.sequence_logps(AutoModelForCausalLM.from_pretrained(path).eval(), batch)[0]
                         for path in (os.path.join(out, "merged"), dpo["model"]))
