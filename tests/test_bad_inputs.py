@@ -179,6 +179,28 @@ def test_under_accelerate_launch_the_line_is_printed_once(tmp_path, num_processe
         assert f"traceback : {expected}" in root_cause
 
 
+def test_the_quick_start_command_opens_with_the_run_not_launcher_notices(tmp_path):
+    """The README's first command, as written (a bad flag stops it right after the launch): all it prints is the run's
+    own line. Without its --config_file accelerate opens with a five-line notice of the values it picked."""
+    import re
+    import subprocess
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    command = re.search(r"&& \.venv/bin/(accelerate launch [^\n]*scripts/pretrain_llama\.py)\n", readme).group(1)
+    launch = [os.path.join(os.path.dirname(sys.executable), "accelerate"), *command.split()[1:]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env["HF_HOME"] = str(tmp_path / "hf")  # no `accelerate config` default file of this machine's user
+    bad = ["--block_size", "1", "--output_dir", str(tmp_path / "out")]
+    without_config = [arg for arg in launch if arg not in ("--config_file", "accelerate_configs/default.yaml")]
+    for cmd, notice in ((launch, False), (without_config, True)):
+        proc = subprocess.run(cmd + bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and proc.stdout == ""  # accelerate 1.15's status after a script's failure
+        assert ("The following values were not passed to `accelerate launch`" in proc.stderr) == notice, proc.stderr
+        if not notice:
+            assert proc.stderr == "error: --block_size must be >= 2 (got 1)\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_checks_only_check(tmp_path):
     """Validation reads the flags and the environment and changes neither: `auto` stays `auto` in `args`; the
     checkpoint it names is found by `find_checkpoint_to_resume`, whose result the script keeps on its own."""

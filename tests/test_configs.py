@@ -113,6 +113,9 @@ def test_accelerate_yaml_loads(path, monkeypatch):
         assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
     elif name == "fp8.yaml":
         assert config.mixed_precision == "fp8" and config.fp8_config["backend"] == "AO"
+    elif name == "default.yaml":  # the Quick start's: one process wherever it runs, the script's flags pick precision
+        assert config.distributed_type == DistributedType.NO and config.num_processes == 1
+        assert config.mixed_precision == "no" and not config.use_cpu and config.dynamo_config == {}
     elif name.startswith("cpu_"):
         assert config.mixed_precision == "no" and config.num_processes == int(name[4])
     else:

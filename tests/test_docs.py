@@ -16,6 +16,7 @@ PAGES = [README, *DOCS]
 # Top-level folders whose paths the docs mention; each mentioned path must exist in the checkout.
 FOLDERS = ("scripts", "common", "accelerate_configs", "ds_configs", "benchmarks", "tools", "gpu_suite", "tests", "docs")
 RECIPES = {"pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py", "finetune_dpo.py"}
+QUICK_START_CONFIG = "accelerate_configs/default.yaml"  # every launcher value given: no notice
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 INLINE = re.compile(r"(`+)(.+?)\1")
 
@@ -98,7 +99,7 @@ def test_readme_commands_are_the_ones_that_run():
     ci = [line for line in read(os.path.join(ROOT, ".ci", "run")).splitlines() if line.startswith("python3 -m venv")]
     assert len(ci) == 1 and ci[0] in text.splitlines()
     assert ("python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/accelerate launch --quiet "
-            "scripts/pretrain_llama.py") in text.splitlines()
+            f"--config_file {QUICK_START_CONFIG} scripts/pretrain_llama.py") in text.splitlines()
 
 
 def test_the_venv_is_put_on_path_once_in_the_readme():
