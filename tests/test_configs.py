@@ -311,6 +311,18 @@ def test_cli_bad_input_is_one_line():
     assert proc.returncode == 2 and proc.stderr == "error: give --params, --model_preset or --config_name\n"
 
 
+@pytest.mark.parametrize("flag", ["--params", "--gpu_memory_gb", "--host_memory_gb"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_memory_size_that_is_not_a_number_is_one_line(estimator, capsys, flag, value):
+    """argparse's float() takes nan and inf: --params nan was a traceback, --gpu_memory_gb nan a table where nothing
+    fits; both are one line now, before any estimate."""
+    argv = ["--model_preset", "tiny"] if flag != "--params" else []
+    with pytest.raises(SystemExit) as stopped:
+        estimator.parse_args(argv + [f"{flag}={value}"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"error: {flag} must be a finite number (got {float(value)})\n"
+
+
 def test_chunked_cross_entropy_counts_one_chunk_of_the_logits(estimator):
     """1B preset, 8 x 2,048 tokens, vocabulary 128,256: the full logits (10 bytes per token per vocabulary entry) are
     21 GB, one chunk of 1,024 tokens 1.3 GB; the rest of the activations is the same."""

@@ -370,6 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     peft.add_argument("--use_bnb_nested_quant", action="store_true", help="QLoRA's scales quantized too.")
     peft.add_argument("--lora_r", type=int, default=16, help="LoRA rank.")
     args = parser.parse_args(argv)
+    for name in ("params", "gpu_memory_gb", "host_memory_gb"):  # argparse's float() takes "nan" and "inf"
+        if getattr(args, name) is not None and not math.isfinite(getattr(args, name)):
+            fail(f"--{name} must be a finite number (got {getattr(args, name)})")
     if not (args.params or args.model_preset or args.config_name):
         fail("give --params, --model_preset or --config_name")
     if (args.use_peft or args.dpo) and args.params:
