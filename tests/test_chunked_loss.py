@@ -86,12 +86,28 @@ def test_loss_and_gradients_equal_the_unchunked_ones(tie):
     assert torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
 
 
-def test_head_gradients_equal_the_unchunked_ones():
+KERNELS = ["F.linear_cross_entropy", "checkpointed chunks"]  # torch 2.13's op; an older torch's stand-in
+
+
+def without_linear_cross_entropy(monkeypatch) -> None:
+    """As on a torch before 2.13 (the GPU machine's 2.11): no F.linear_cross_entropy, no options for it."""
+    from common.features import chunked_loss
+
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")
+    monkeypatch.setattr(chunked_loss, "OPTIONS", None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_head_gradients_equal_the_unchunked_ones(kernel, monkeypatch):
     """The loss and its gradients for the head's input and weight, 8,192 tokens (8 chunks) x vocabulary 4,000 in fp32,
-    one in seven labels ignored: within 1e-6 of the unchunked head's (the op the flag swaps in). The chunks are of
-    tokens, so the vocabulary's width does not change what is checked (32,000 took 20 s on one core)."""
+    one in seven labels ignored: within 1e-6 of the unchunked head's (the op the flag swaps in), with torch's op and
+    with the checkpointed chunks a torch without it gets. The chunks are of tokens, so the vocabulary's width does not
+    change what is checked (32,000 took 20 s on one core)."""
+    from common.features import chunked_loss
     from common.features.chunked_loss import _head_forward
 
+    if kernel == "checkpointed chunks":
+        without_linear_cross_entropy(monkeypatch)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 2048, 64, generator=generator)
     head = torch.nn.Linear(64, 4000, bias=False)
@@ -112,6 +128,41 @@ def test_head_gradients_equal_the_unchunked_ones():
     errors = [(torch.linalg.norm(a - b) / torch.linalg.norm(b)).item() for a, b in ((h, plain_h), (w, plain_w))]
     print(f"head: loss {loss:.7f} vs {plain_loss:.7f}; input gradient {errors[0]:.1e}, weight gradient {errors[1]:.1e}")
     assert loss == pytest.approx(plain_loss, rel=1e-6) and max(errors) <= 1e-6
+
+
+def test_checkpointed_chunks_keep_no_logits_for_the_backward(monkeypatch):
+    """Without F.linear_cross_entropy the chunks keep only their inputs for the backward: no tensor saved by the
+    forward is larger than the head's input or weight, where the unchunked loss saves tokens x vocabulary (its
+    log-softmax). Under bf16 autocast the weight's gradient adds up in fp32 and equals the unchunked one's to
+    bf16 rounding."""
+    from common.features import chunked_loss
+
+    without_linear_cross_entropy(monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    tokens, vocab = 3000, 2000  # 3 chunks, the last one short
+    hidden = torch.randn(1, tokens, 32, generator=generator, requires_grad=True)
+    head = torch.nn.Linear(32, vocab, bias=False)
+    labels = torch.randint(0, vocab, (1, tokens), generator=generator)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        loss = chunked_loss._head_forward(head, hidden, labels)
+    assert max(saved) <= max(hidden.numel(), head.weight.numel()) < tokens * vocab
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        torch.nn.functional.cross_entropy(head(hidden)[0, :-1], labels[0, 1:])
+    assert max(saved) >= (tokens - 1) * vocab  # what the chunks save us
+    grads = []
+    for chunked in (True, False):
+        head.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if chunked:
+                loss = chunked_loss._head_forward(head, hidden, labels)
+            else:
+                loss = torch.nn.functional.cross_entropy(head(hidden)[0, :-1].float(), labels[0, 1:])
+        loss.backward()
+        grads.append(head.weight.grad)
+    assert grads[0].dtype == torch.float32
+    assert (torch.linalg.norm(grads[0] - grads[1]) / torch.linalg.norm(grads[1])).item() < 1e-2
 
 
 def test_bf16_autocast_keeps_the_loss_exact():
