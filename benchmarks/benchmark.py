@@ -44,6 +44,7 @@ from common.flags import ArgumentParser
 from common.errors import fail
 
 PRETRAIN, PLAIN = os.path.join("scripts", "pretrain_llama.py"), os.path.join("benchmarks", "plain_loop.py")
+TRAINER = os.path.join("benchmarks", "trainer_loop.py")  # the job through transformers' Trainer (plain_loop's flags)
 RUN_FLAGS = ("--output_dir", "--max_steps", "--logging_steps", "--eval_steps", "--checkpointing_steps",
              "--resume_from_checkpoint")  # set by the benchmark (the timed window must hold training steps only)
 VERSIONS = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "bitsandbytes")
@@ -123,7 +124,8 @@ def parse_args(argv: list[str] | None = None, extra_methods: dict[str, dict] | N
 
 
 def method_table(args, cuda: bool, pretraining: bool) -> dict[str, dict]:
-    """name -> {"flags": [...], "launcher": [...] (accelerate configs), "skip": reason or None}."""
+    """name -> {"flags": [...], "launcher": [...] (accelerate configs), "script": another script than --script (the
+    peers of the pretraining script: PLAIN, TRAINER), "skip": reason or None}."""
     bf16_ok = not cuda or torch.cuda.is_bf16_supported()
     half = ["--bf16"] if bf16_ok else ["--fp16"]
     mb = max(1, args.per_device_train_batch_size // 4)  # accumulation keeps the samples per optimizer step
@@ -217,7 +219,7 @@ def run_once(args, method: str, repeat: int) -> dict:
     """One fresh process of `method`; the timed steps' figures, or {"error": ...}."""
     plain = method == "plain_pytorch"
     spec = args.table[args.plain_reference if plain else method]
-    script = PLAIN if plain else args.script
+    script = PLAIN if plain else spec.get("script", args.script)
     run_dir = os.path.join(args.output_dir, "runs", f"{method}-{repeat}")
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
@@ -230,7 +232,7 @@ def run_once(args, method: str, repeat: int) -> dict:
         cmd += [args.seq_flag, str(args.seq_len)]
     if args.model_preset:
         cmd += ["--model_preset", args.model_preset]
-    if script in (PRETRAIN, PLAIN):  # keep the untimed tail (final evaluation, sample) short
+    if script in (PRETRAIN, PLAIN, TRAINER):  # keep the untimed tail (final evaluation, sample) short
         cmd += ["--sample_max_new_tokens", "0", "--max_eval_samples", "2"] + \
             (["--max_train_samples", "200"] if args.quick else [])
     cmd += spec["flags"] + args.script_args + ["--output_dir", run_dir]
@@ -362,7 +364,8 @@ def summarise(args, runs: dict[str, list[dict]], env: dict) -> list[dict]:
         quartiles = statistics.quantiles(steps, n=4) if len(steps) > 1 else [steps[0]] * 3
         flags = args.table[args.plain_reference if method == "plain_pytorch" else method]["flags"]
         rows.append({
-            "method": method, "script": PLAIN if method == "plain_pytorch" else args.script, "flags": flags,
+            "method": method, "flags": flags,
+            "script": PLAIN if method == "plain_pytorch" else args.table[method].get("script", args.script),
             "tokens_per_second": med("tokens_per_second"), "samples_per_second": med("samples_per_second"),
             "tokens_per_second_runs": [r["tokens_per_second"] for r in results],
             "step_time_median_s": quartiles[1], "step_time_p25_s": quartiles[0], "step_time_p75_s": quartiles[2],
