@@ -112,8 +112,8 @@ def strict_json(value):
 class StepLog:
     """What the loops log: loss, lr, grad norm, tokens/s, padding, memory (MFU on known GPUs), with a progress bar.
 
-    `count_tokens(batch)` per micro-batch, `step(step, lr, loss, grad_norm)` per optimizer step (as `common/guard.py`
-    read them). Counts stay on the device until a row is written (every `logging_steps` and at the end). A row's
+    `count_tokens(batch)` per micro-batch, `step(step, lr, checked)` per optimizer step (its `common/guard.py` check).
+    Counts and losses stay on the device until a row is written (every `logging_steps` and at the end). A row's
     `loss` is the mean over its finite steps; `skipped_nonfinite_steps` counts the others (summed over the rows: the
     run's total, across resumes). Time inside `untimed()` (evaluation, checkpoints) is not training time.
     """
@@ -134,8 +134,12 @@ class StepLog:
         self._reset()
 
     def _reset(self) -> None:
-        self.loss_sum, self.loss_steps, self.skipped = 0.0, 0, 0
-        self.padding = torch.zeros((), dtype=torch.long, device=self.accelerator.device)
+        device = self.accelerator.device
+        self.padding = torch.zeros((), dtype=torch.long, device=device)
+        # the window's finite-loss sum, finite steps, skipped steps: on the device (float64: a Python float's sum)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss_steps = torch.zeros((), dtype=torch.float64, device=device)
+        self.skipped = torch.zeros((), dtype=torch.float64, device=device)
         self.positions = 0
 
     def count_tokens(self, batch: dict) -> None:
@@ -150,24 +154,35 @@ class StepLog:
         """Share of padding positions over the logged rows so far (all processes)."""
         return self.run_padding / max(self.run_positions, 1)
 
-    def step(self, step: int, lr: float, loss: float, grad_norm: float | None) -> None:
-        """Optimizer step `step` is done: advance the bar; every `logging_steps` and at the end, write a row."""
+    def writes_row(self, step: int) -> bool:
+        """Whether `step(step, ...)` writes a row (every `logging_steps`, and the last step)."""
+        return step % self.logging_steps == 0 or step == self.total_steps
+
+    def step(self, step: int, lr: float, checked) -> None:
+        """Optimizer step `step` is done (`checked`: its common/guard.py StepCheck, its figures still on the device
+        unless read): advance the bar; every `logging_steps` and at the end, write a row (the loop has read the
+        step's check then: the row's gradient norm is the step's)."""
         self.bar.update(1)
-        if math.isfinite(loss):
-            self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
-        if not (math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))):
-            self.skipped += 1  # the divergence guard (or the fp16 loss scaler) skipped its update
-        if step % self.logging_steps and step != self.total_steps:
+        loss, _, norm = checked.values.detach().double()
+        finite_loss = torch.isfinite(loss)
+        self.loss_sum += torch.where(finite_loss, loss, 0.0)
+        self.loss_steps += finite_loss
+        # not finite: the divergence guard (or the fp16 loss scaler) skipped its update
+        self.skipped += ~(finite_loss & torch.isfinite(norm)) if checked.has_norm else ~finite_loss
+        if not self.writes_row(step):
             return
         acc = self.accelerator
-        padding, positions = acc.reduce(torch.stack(
-            [self.padding, torch.full_like(self.padding, self.positions)]), "sum").tolist()
+        counts = acc.reduce(torch.stack([self.padding, torch.full_like(self.padding, self.positions)]), "sum")
+        # one read for the row: the token counts (all processes) and the window's loss figures (already global)
+        padding, positions, loss_sum, loss_steps, skipped = torch.cat(
+            [counts.double(), torch.stack([self.loss_sum, self.loss_steps, self.skipped])]).tolist()
+        padding, positions = int(padding), int(positions)
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work
         tokens_per_second = self.throughput.report()
         row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None,
-               "loss": self.loss_sum / self.loss_steps if self.loss_steps else None, "lr": lr, "grad_norm": grad_norm,
-               "skipped_nonfinite_steps": self.skipped,
+               "loss": loss_sum / loss_steps if loss_steps else None, "lr": lr, "grad_norm": checked.grad_norm,
+               "skipped_nonfinite_steps": int(skipped),
                "tokens_per_second": tokens_per_second, "padding_fraction": padding / max(positions, 1),
                "peak_memory_bytes": peak_memory_bytes(), **self.row_extras()}
         if self.peak_flops:

@@ -42,6 +42,12 @@ def set_last_lr(scheduler, lrs: list[float]) -> None:
     scheduler._last_lr = lrs
 
 
+def take_back_step_count(scheduler) -> None:
+    """One `step()` fewer in the count a scheduler saves in its state_dict (torch 2.13 LRScheduler: `_step_count`, no
+    public way to undo a step)."""
+    scheduler._step_count -= 1
+
+
 def save_state_pre_hooks(accelerator: Accelerator) -> list:
     """The hooks `register_save_state_pre_hook` registered (accelerate 1.15: no accessor), so one registers once."""
     return list(accelerator._save_model_state_pre_hook.values())

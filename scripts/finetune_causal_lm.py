@@ -270,7 +270,6 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     train_start = time.perf_counter()
     model.train()
     for window in optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga):
-        lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # response tokens in the window, all processes
         window_loss = torch.zeros((), device=accelerator.device)
         for batch in window:
@@ -283,23 +282,28 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if guard.check(window_loss, grad_norm).verdict is Verdict.APPLY:
+                    # no read here: a non-finite step is skipped on the device, its figures read a step later
+                    verdict = guard.check(window_loss, grad_norm).verdict  # settles the previous step first
+                    lr = lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
+                    if verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-        checked = guard.step_check()
+        step = progress.step
+        saving = bool(args.checkpointing_steps) and step % args.checkpointing_steps == 0
+        # read now where the loop needs the step's figures (a row, a checkpoint); else the next check does
+        checked = guard.step_check(read=saving or log.writes_row(step))
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS
-        step = progress.step
-        log.step(step, lr, checked.loss, checked.grad_norm)
+        log.step(step, lr, checked)
 
         stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
-        if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
+        if stop or saving:
             with log.untimed():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, extras)
             if checkpoint is None:

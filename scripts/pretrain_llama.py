@@ -179,7 +179,6 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     windows = optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga)
     windows = slice_windows(windows, accelerator)  # feature: sequence parallel
     for window in windows:
-        lr = lr_scheduler.get_last_lr()[0]
         num_items = count_label_tokens(window, accelerator)  # real label tokens in the window, all processes
         window_loss = torch.zeros((), device=accelerator.device)  # this process's share of the step's loss
         for batch in window:
@@ -191,24 +190,28 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:  # once per optimizer step, on the summed gradients
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    # the step's one read to the host: loss, grad norm, any rank's stop signal; one verdict everywhere
-                    if guard.check(window_loss, grad_norm).verdict is Verdict.APPLY:
+                    # no read here: a non-finite step is skipped on the device, its figures read a step later
+                    verdict = guard.check(window_loss, grad_norm).verdict  # settles the previous step first
+                    lr = lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
+                    if verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:  # fp16 overflow or DeepSpeed's own skip
                             lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-        checked = guard.step_check()  # loss, grad norm, verdict and stop request, as every rank saw them
+        step = progress.step
+        saving = bool(args.checkpointing_steps) and step % args.checkpointing_steps == 0
+        # read now where the loop needs the step's figures (a row, a checkpoint); else the next check does
+        checked = guard.step_check(read=saving or log.writes_row(step))
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS  # the guard has said why; the newest checkpoint holds finite weights
-        step = progress.step
-        log.step(step, lr, checked.loss, checked.grad_norm)
+        log.step(step, lr, checked)
 
         stop = checked.stop_requested  # a stop signal on any rank: every rank saves this step and returns
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
                 eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
-        if stop or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
+        if stop or saving:
             with log.untimed():
                 checkpoint = save_checkpoint(accelerator, args.output_dir, step, args.save_total_limit, extras)
             if checkpoint is None:

@@ -6,10 +6,13 @@
 On a GPU each such read (`.item()`, `.tolist()`, `bool()`, `float()`, `int()`, `.cpu()`, `.numpy()`) waits for the
 device's queue to drain. On this CPU nothing waits, so the reads are counted where the Python code asks for them.
 Reads inside `torch.optim` (the optimizers' step counters) and `torch.utils.data` (the samplers' random numbers) are
-left out: those tensors live on the host on a GPU machine too.
+left out: those tensors live on the host on a GPU machine too. So are reads of a step check's host copy
+(`StepCheck.late` in common/guard.py, filled by a non-blocking copy and read a step later, when the device has passed
+it): they are recorded apart, as "late" reads, with the step whose check they read.
 
-Writes OUT_PREFIX.<rank>.json: {"steps": [[call site, ...] per optimizer step]}. A step's reads are those after
-the previous step's `StepLog.step` returned up to its own (so a logging step's row counts as its own).
+Writes OUT_PREFIX.<rank>.json: {"steps": [[call site, ...] per optimizer step], "late": [[step read, ...] per
+optimizer step]}. A step's reads are those after the previous step's `StepLog.step` returned up to its own (so a
+logging step's row counts as its own).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ sys.path.insert(0, ROOT)
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 steps: list[list[str]] = []
 current: list[str] = []
+late_steps: list[list[int]] = []
+late: list[int] = []
+late_copies: dict[int, int] = {}  # id of a StepCheck.late tensor -> the step of its check
+kept_alive: list = []  # those tensors (a freed tensor's id could be reused by another)
 counting = False
 
 
@@ -49,7 +56,9 @@ def recorded(name: str):
         if counting:
             counting = False  # a read inside a read (e.g. tolist -> item) is one read
             try:
-                site = call_site()
+                site = None if id(self) in late_copies else call_site()
+                if id(self) in late_copies:
+                    late.append(late_copies[id(self)])
                 if site:
                     current.append(f"{name}: {site}")
             finally:
@@ -64,8 +73,16 @@ def main() -> None:
     for name in READS:
         setattr(torch.Tensor, name, recorded(name))
 
+    import common.guard
     import common.metrics
     import common.features.preemption
+
+    copy_to_host = common.guard.StepGuard.copy_to_host
+
+    def copy_to_host_and_mark(self, checked):
+        copy_to_host(self, checked)
+        late_copies[id(checked.late)] = checked.step
+        kept_alive.append(checked.late)
 
     start = common.features.preemption.catch_stop_signals
     log_step, log_close = common.metrics.StepLog.step, common.metrics.StepLog.close
@@ -80,7 +97,9 @@ def main() -> None:
     def step(self, *args, **kwargs):
         log_step(self, *args, **kwargs)
         steps.append(list(current))
+        late_steps.append(list(late))
         current.clear()
+        late.clear()
 
     def close(self):
         global counting
@@ -88,13 +107,14 @@ def main() -> None:
         log_close(self)
 
     common.features.preemption.catch_stop_signals = catch_stop_signals_and_count
+    common.guard.StepGuard.copy_to_host = copy_to_host_and_mark
     common.metrics.StepLog.step, common.metrics.StepLog.close = step, close
     sys.argv = [script, *flags]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
         with open(f"{out_prefix}.{os.environ.get('RANK', '0')}.json", "w") as f:
-            json.dump({"steps": steps}, f, indent=1)
+            json.dump({"steps": steps, "late": late_steps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,27 @@ def test_torch_schedulers_have_no_setter_for_the_last_lr_and_the_private_one_wor
     assert scheduler.get_last_lr() == [0.25]
 
 
+def test_torch_schedulers_cannot_undo_a_step_and_taking_back_the_count_restores_the_state():
+    """take_back_step_count: a step skipped on the device is taken back from the schedule a step later (common/
+    features/divergence.py); the state_dict must then equal one that never stepped."""
+    from common.features.divergence import take_back_schedule_step
+
+    def schedule():
+        return torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                                                 lambda step: 1.0 / (step + 1))
+
+    stepped, untouched = schedule(), schedule()
+    for s in (stepped, untouched):
+        s.optimizer.step()
+        s.step()
+    stepped.optimizer.step()
+    stepped.step()
+    assert not any(name in ("unstep", "step_back") for name in dir(stepped))
+    take_back_schedule_step(stepped)
+    assert stepped.state_dict() == untouched.state_dict()
+    assert stepped.optimizer.param_groups[0]["lr"] == untouched.optimizer.param_groups[0]["lr"] == 0.5
+
+
 def test_transformers_public_deepspeed_getter_gives_the_dict_not_the_object():
     """registered_zero3_config: `set_hf_deepspeed_config` needs the HfDeepSpeedConfig object back, which only the
     private weak reference holds (`deepspeed_config()` returns its dict)."""

@@ -67,7 +67,7 @@ def check_deepspeed_config(args: argparse.Namespace) -> dict | None:
     if "optimizer" in config and args.optim == "adafactor":
         fail(f"--optim adafactor: DeepSpeed config {path} defines its own optimizer "
              f"({config['optimizer'].get('type')}); use a JSON without an optimizer block")
-    if "optimizer" in config and args.optim != "adamw_torch":
+    if "optimizer" in config and args.optim not in ("adamw_torch", "adamw_torch_fused"):
         warnings.warn(f"--optim {args.optim} is not used: DeepSpeed config {path} defines the optimizer "
                       f"({config['optimizer'].get('type')}; with optimizer offload this is DeepSpeed's CPU Adam)")
     return config

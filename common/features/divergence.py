@@ -20,11 +20,14 @@ from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch.optim.lr_scheduler import LambdaLR
 from accelerate.logging import get_logger
 
 from common.errors import fail, report_error
-from common.guard import StepGuard, Verdict
-from common.upstream import prepared_models
+from common.guard import StepCheck, StepGuard, Verdict
+from common.upstream import (prepared_models, prepared_optimizers_and_schedulers, set_last_lr,
+                             take_back_step_count)
 
 logger = get_logger(__name__)
 
@@ -42,22 +45,49 @@ def check_divergence_flags(args: argparse.Namespace) -> None:
 
 class NonFiniteGuard(StepGuard):
     """The step check of common/guard.py, judging each step: non-finite ones are skipped on every rank, and
-    `max_consecutive` of them in a row stop the run."""
+    `max_consecutive` of them in a row stop the run.
+
+    With fused Adam/AdamW (`--optim adamw_torch_fused`, the default) the skip happens on the device, without a read:
+    the optimizer's `found_inf` (the tensor torch's GradScaler sets) tells the fused kernel to leave the weights and
+    moments untouched and to take its step count back. The host reads the step's figures a step later; a skipped
+    step's schedule step is then taken back before the next update, so weights, moments and schedule are those of a
+    step skipped on the host's word. Other optimizers (foreach AdamW, 8-bit, paged, Adafactor) and engines that skip
+    on their own (DeepSpeed, fp16's GradScaler) have no device-side skip: their step waits for one read.
+    """
 
     def __init__(self, accelerator: Accelerator, progress, max_consecutive: int) -> None:
         super().__init__(accelerator, progress)
         self.max_consecutive = max_consecutive
         self.loss_scaling = accelerator.mixed_precision == "fp16"
         self.consecutive = 0
+        optimizers, schedulers = prepared_optimizers_and_schedulers(accelerator)
+        self.optimizer, self.scheduler = optimizers[0] if optimizers else None, schedulers[0] if schedulers else None
+        self.device_skip = (len(optimizers) == 1 and len(schedulers) == 1 and isinstance(self.scheduler, LambdaLR)
+                            and isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                            and bool(self.optimizer.defaults.get("fused")) and accelerator.scaler is None
+                            and accelerator.distributed_type != DistributedType.DEEPSPEED)
 
-    def verdict(self, loss: float, norm: float | None) -> Verdict:
+    def skips_on_device(self) -> bool:
+        return self.device_skip
+
+    def before_update(self, checked: StepCheck) -> None:
+        loss, _, norm = checked.values
+        # 1.0: the fused kernel skips the update (torch/optim/adam.py reads `found_inf` off the optimizer)
+        self.optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
+
+    def verdict(self, checked: StepCheck) -> Verdict:
+        verdict = self.judge(checked.step, checked.loss, checked.grad_norm)
+        if verdict is not Verdict.APPLY and checked.ahead:  # the loop stepped the schedule: take that step back
+            take_back_schedule_step(self.scheduler)
+        return verdict
+
+    def judge(self, step: int, loss: float, norm: float | None) -> Verdict:
         if math.isfinite(loss) and (norm is None or math.isfinite(norm)):
             self.consecutive = 0
             return Verdict.APPLY
         if self.loss_scaling and math.isfinite(loss):
             return Verdict.APPLY  # a gradient overflow while the loss scale settles: the scaler skips the update
         self.consecutive += 1
-        step = self.progress.step
         logger.warning(f"optimizer step {step}: loss {loss:.4g}, gradient norm {norm if norm is None else f'{norm:.4g}'}"
                        f": not finite, the update is skipped on every rank ({self.consecutive} in a row, "
                        f"--max_nonfinite_steps {self.max_consecutive})")
@@ -68,6 +98,16 @@ class NonFiniteGuard(StepGuard):
                      f"{self.max_consecutive}); their updates were skipped, the weights are finite. Resume from an "
                      "earlier checkpoint with a lower --learning_rate (or more --warmup_steps)")
         return Verdict.DIVERGED
+
+
+def take_back_schedule_step(scheduler: LambdaLR) -> None:
+    """Undo one `scheduler.step()`: the schedule and each group's learning rate as before it (the same formula)."""
+    scheduler.last_epoch -= 1
+    take_back_step_count(scheduler)  # saved in its state_dict: a resume then equals the uninterrupted run
+    lrs = [base * lmbda(scheduler.last_epoch) for lmbda, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    set_last_lr(scheduler, lrs)
 
 
 def _local_shard(param: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class RunRecord:
             **{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)},  # the LoRA settings
             "model": {key: getattr(config, key) for key in MODEL_SHAPE if getattr(config, key, None) is not None},
             "base_model": base_model_fingerprint(getattr(args, "model_name_or_path", None), config),
-            "optim": args.optim,
+            "optim": "adamw_torch" if args.optim == "adamw_torch_fused" else args.optim,  # fused or not: one state
         }
         self.hyperparameters = {name: getattr(args, name) for name in HYPERPARAMETERS}
         self.mixed_precision = accelerator.mixed_precision
