@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -148,6 +149,37 @@ def test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing(tmp_path, ca
         f"error: the default corpus could not be written to the cache ({path}): No space left on device; free some "
         "space or choose another --cache_dir"]
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_under_the_rust_tokenizers_write_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """The tokenizers library writes tokenizer.json itself and reports a full disk as a bare `Exception: No space left
+    on device (os error 28)` (not an OSError): it was a traceback. A real one here: tokenizer.json is /dev/full."""
+    from common.inputs import data
+
+    args, raw = tokenizer_args(tmp_path), tiny_raw()
+    no_accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext)
+    train = data.train_bpe_tokenizer
+
+    def saved_to_a_full_disk(texts, vocab_size):
+        tokenizer = train(texts, vocab_size)
+        save_pretrained = tokenizer.save_pretrained
+
+        def save(path):
+            os.symlink("/dev/full", os.path.join(path, "tokenizer.json"))  # every write: ENOSPC
+            return save_pretrained(path)
+
+        tokenizer.save_pretrained = save
+        return tokenizer
+
+    monkeypatch.setattr(data, "train_bpe_tokenizer", saved_to_a_full_disk)
+    with pytest.raises(SystemExit) as stopped:
+        data.get_tokenizer(args, no_accelerator, raw, None, vocab_size=300)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and [line for line in lines if "Traceback" in line or "error" in line] == lines[-1:]
+    assert re.fullmatch(rf"error: a byte-level BPE tokenizer \(vocab 300\) could not be written to the cache "
+                        rf"\({re.escape(args.cache_dir)}/tokenizer-bpe-[0-9a-f]{{12}}\): No space left on device; "
+                        "free some space or choose another --cache_dir", lines[-1]), lines
+    assert os.listdir(args.cache_dir) == []  # no entry, no temporary folder
 
 
 # ---- a model folder that cannot load: one line before any data is read --------------------------------------------

@@ -15,6 +15,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -47,8 +48,11 @@ def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
             build(temporary)
             manifest = {name: file_record(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
             write_and_sync(os.path.join(temporary, MANIFEST), json.dumps(manifest, indent=1))
-        except OSError as e:  # a full disk, a read-only --cache_dir: nothing of the entry is left
-            fail(f"{what} could not be written to the cache ({path}): {e.strerror or e}; free some space or choose "
+        except Exception as e:  # a full disk, a read-only --cache_dir: nothing of the entry is left
+            reason = write_error(e)
+            if reason is None:
+                raise
+            fail(f"{what} could not be written to the cache ({path}): {reason}; free some space or choose "
                  "another --cache_dir")
         try:
             os.rename(temporary, path)
@@ -63,6 +67,15 @@ def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
     if problem is not None:
         fail(f"cache entry {path} could not be written whole ({problem}): check the disk under --cache_dir")
     return path
+
+
+def write_error(e: Exception) -> str | None:
+    """What stopped a write: an OSError's reason, or that of a Rust library's own error (the tokenizers library's
+    save raises a bare `Exception: No space left on device (os error 28)`); None for any other error."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    rust = re.fullmatch(r"(.+) \(os error \d+\)", str(e).strip())
+    return rust.group(1) if rust else None
 
 
 def remove_abandoned_builds(path: str) -> None:
