@@ -66,6 +66,7 @@ from common.features.divergence import (NonFiniteGuard, add_divergence_args, che
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.liger import add_liger_args, check_liger_kernel, use_liger_kernel  # feature: liger kernel
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, check_vocab_size, export_adapter, export_and_merge,
                                   frozen_base_left_out)  # feature: lora
@@ -88,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_activation_memory_args(parser)  # feature: activation memory
     add_finetuning_args(parser)
     add_chunked_loss_args(parser)  # feature: chunked loss
+    add_liger_args(parser)  # feature: liger kernel
     add_peft_args(parser)  # feature: lora
     parser.set_defaults(learning_rate=2e-5, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
     g = parser.add_argument_group("supervised fine-tuning")
@@ -116,6 +118,9 @@ def main() -> None:
     check_activation_memory(args, config)  # feature: activation memory
     if args.chunked_cross_entropy:  # feature: chunked loss
         check_chunked_loss(config)
+    if args.use_liger_kernel:  # feature: liger kernel
+        chunked = getattr(args, "chunked_cross_entropy", False)  # absent from a copy without that feature
+        check_liger_kernel(config, fused_loss=True, chunked_cross_entropy=chunked)
     if args.use_peft:  # feature: lora
         check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     check_deepspeed_config(args)  # feature: deepspeed check
@@ -337,6 +342,8 @@ def build_model(args, config, accelerator, vocab_size: int):
         check_vocab_size(config, vocab_size)
         load_kwargs = base_model_kwargs(args, accelerator, "CAUSAL_LM")  # a 16-bit (or 4-bit) frozen base
     model = build_causal_lm(args, config, vocab_size, **load_kwargs)
+    if args.use_liger_kernel:  # feature: liger kernel
+        use_liger_kernel(model, fused_loss=True)
     if args.chunked_cross_entropy:  # feature: chunked loss
         use_chunked_loss(model)
     if args.selective_ac_option or args.activation_offloading:  # feature: activation memory

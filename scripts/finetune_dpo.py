@@ -72,6 +72,7 @@ from common.features.divergence import (NonFiniteGuard, add_divergence_args, che
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.liger import add_liger_args, check_liger_kernel, use_liger_kernel  # feature: liger kernel
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, check_vocab_size, export_adapter, export_and_merge,
                                   frozen_base_left_out)  # feature: lora
@@ -94,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_divergence_args(parser)  # feature: divergence guard
     add_compile_args(parser)  # feature: torch compile
     add_chunked_loss_args(parser)  # feature: chunked loss
+    add_liger_args(parser)  # feature: liger kernel
     add_async_checkpoint_args(parser)  # feature: async checkpoint
     add_finetuning_args(parser)
     add_peft_args(parser)  # feature: lora
@@ -129,6 +131,8 @@ def main() -> None:
         check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     if args.chunked_cross_entropy:  # feature: chunked loss
         check_chunked_loss(config)
+    if args.use_liger_kernel:  # feature: liger kernel
+        check_liger_kernel(config, fused_loss=False)  # per-row log-probabilities: rope, RMSNorm, SwiGLU only
     check_deepspeed_config(args)  # feature: deepspeed check
     refuse_sequence_parallel("finetune_dpo.py")  # feature: sequence parallel
     stop_when_launcher_dies()  # feature: preemption
@@ -285,6 +289,8 @@ def load_reference(args, config, accelerator, vocab_size: int):
     reference = build_causal_lm(unchecked, config, vocab_size, dtype=torch.float32)
     reference.requires_grad_(False)
     reference.eval()
+    if args.use_liger_kernel:  # feature: liger kernel
+        use_liger_kernel(reference, fused_loss=False)  # the policy's kernels: step 1's log-probabilities are equal
     if args.chunked_cross_entropy:  # feature: chunked loss
         use_chunked_loss(reference)
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # feature: sharded reference
@@ -434,6 +440,8 @@ def build_model(args, config, accelerator, vocab_size: int):
         check_vocab_size(config, vocab_size)
         load_kwargs = base_model_kwargs(args, accelerator, "CAUSAL_LM")  # a 16-bit (or 4-bit) frozen base
     model = build_causal_lm(args, config, vocab_size, **load_kwargs)
+    if args.use_liger_kernel:  # feature: liger kernel
+        use_liger_kernel(model, fused_loss=False)
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.chunked_cross_entropy:  # feature: chunked loss
         use_chunked_loss(model)

@@ -55,6 +55,8 @@ from common.features.divergence import (NonFiniteGuard, add_divergence_args, che
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.liger import (add_liger_args, check_liger_kernel, undo_liger_kernel,
+                                   use_liger_kernel)  # feature: liger kernel
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import (accumulate_slices, check_sequence_parallel, slice_windows,
@@ -74,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_async_checkpoint_args(parser)  # feature: async checkpoint
     add_activation_memory_args(parser)  # feature: activation memory
     add_chunked_loss_args(parser)  # feature: chunked loss
+    add_liger_args(parser)  # feature: liger kernel
     add_streaming_args(parser)  # feature: streaming
     g = parser.add_argument_group("pretraining")
     g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
@@ -106,6 +109,9 @@ def main() -> None:
     check_activation_memory(args, config)  # feature: activation memory
     if args.chunked_cross_entropy:  # feature: chunked loss
         check_chunked_loss(config)
+    if args.use_liger_kernel:  # feature: liger kernel
+        chunked = getattr(args, "chunked_cross_entropy", False)  # absent from a copy without that feature
+        check_liger_kernel(config, fused_loss=True, chunked_cross_entropy=chunked)
     check_deepspeed_config(args)  # feature: deepspeed check
     check_sequence_parallel(args, config, args.block_size)  # feature: sequence parallel
     stop_when_launcher_dies()  # feature: preemption
@@ -259,6 +265,8 @@ def describe_run(args, accelerator, model, train_dataloader, steps_per_epoch: in
 def build_model(args, config, vocab_size: int):
     """The model to train: a fresh one from `config`, or pretrained weights (--model_name_or_path)."""
     model = build_causal_lm(args, config, vocab_size)
+    if args.use_liger_kernel:  # feature: liger kernel
+        use_liger_kernel(model, fused_loss=True)
     if args.chunked_cross_entropy:  # feature: chunked loss
         use_chunked_loss(model)
     if args.selective_ac_option or args.activation_offloading:  # feature: activation memory
@@ -271,6 +279,7 @@ def build_model(args, config, vocab_size: int):
 def generate_sample(model_dir: str, prompt: str, max_new_tokens: int) -> str:
     """Reload the exported folder as a user would, and sample from it with its generation config (proves the export
     is complete: the sample stops at the tokenizer's end-of-text)."""
+    undo_liger_kernel()  # feature: liger kernel
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with outside_zero3(), torch.no_grad():  # main process only: no partitioned build, no lockstep generation
         model = AutoModelForCausalLM.from_pretrained(model_dir)
