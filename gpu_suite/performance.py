@@ -1,8 +1,10 @@
-"""Part 2, performance: the benchmark's table (benchmarks/benchmark.py) as rows, peaks against the memory estimate."""
+"""Part 2, performance: the benchmark's table (benchmarks/benchmark.py) as rows, peaks against the memory estimate; the
+peer table (ours, the textbook loop, transformers' Trainer, ours + Liger kernels) and one profiled step."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -13,7 +15,7 @@ import torch
 from benchmarks import benchmark
 from common.features import chunked_loss
 from common.inputs.modeling import LLAMA_PRESETS
-from gpu_suite.suite import CONFIGS, FAIL, PASS, Outcome, Row, Suite
+from gpu_suite.suite import CONFIGS, FAIL, PASS, PRETRAIN, ROOT, Outcome, Row, Suite
 from tools import estimate_memory
 
 MFU_GOAL = 0.5
@@ -22,7 +24,15 @@ PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile"
                 "perf_bf16_compile_checkpointing": "bf16_compile_checkpointing", "perf_fp8_compile": "fp8_compile",
                 "perf_bf16_compile_8bit": "bf16_compile_8bit", "perf_plain_loop": "plain_pytorch",
                 "perf_bf16_compile_chunked": "bf16_compile_chunked",
-                "perf_mfu_goal": "bf16_compile"}
+                "perf_mfu_goal": "bf16_compile", "perf_trainer": "trainer", "perf_liger": "liger",
+                "perf_bf16_compile_8x": "bf16_compile_8x", "perf_plain_loop_8x": "plain_8x",
+                "perf_trainer_8x": "trainer_8x", "perf_liger_8x": "liger_8x"}
+# The peer table: each peer's method -> (ours at its batch, the detail key of ours' speed over it: its median step time
+# over ours'). Every peer runs ours' flags: bf16, compile, fused AdamW (Trainer: its whole-model torch_compile).
+PEERS = {"plain_pytorch": ("bf16_compile", "ours_over_plain"), "trainer": ("bf16_compile", "ours_over_trainer"),
+         "liger": ("bf16_compile", "ours_over_liger"), "plain_8x": ("bf16_compile_8x", "ours_over_plain"),
+         "trainer_8x": ("bf16_compile_8x", "ours_over_trainer"), "liger_8x": ("bf16_compile_8x", "ours_over_liger")}
+LIGER = "Liger kernels are Triton kernels (--use_liger_kernel refuses a CPU)"
 # Long-context rows: each activation-memory mode at `long_seq` tokens, bf16 with the chunked loss (the logits of a
 # long sequence would dominate otherwise): peak memory and tokens/s per mode. Where torch has no
 # F.linear_cross_entropy (before 2.13; the lent GPU machine's 2.11) they compute full logits instead, and say so.
@@ -45,10 +55,15 @@ TECHNIQUES = {  # label -> (accelerate config, flags, activation checkpointing),
 }
 
 
-def perf_extra_methods(cuda: bool) -> dict[str, dict]:
-    """The suite's combinations, added to benchmark.py's method table (bf16_compile and baseline are its own)."""
+def perf_extra_methods(cuda: bool, batch: int) -> dict[str, dict]:
+    """The suite's combinations, added to benchmark.py's method table (baseline is its own; bf16_compile too, here
+    tracing only on a CPU); `batch`: the perf rows' sequences per step (the `_8x` peers run twice as many)."""
     half_compile = ["--bf16", "--torch_compile"]
     fused = ["--optim", "adamw_torch_fused"] if cuda else []
+    # ours and its peers; the dry run's compile only traces (dynamo's graphs, no kernels: minutes saved on 2 cores)
+    speed = half_compile + fused + ([] if cuda else ["--torch_compile_backend", "aot_eager"])
+    double = ["--per_device_train_batch_size", str(2 * batch)]
+    liger = ["--use_liger_kernel"]
     fp8_launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                     os.path.join(CONFIGS, "fp8.yaml"), "--num_processes", "1"]
     long_flags = ["--bf16"] + ([] if FULL_LOGITS else ["--chunked_cross_entropy"]) + fused
@@ -63,6 +78,13 @@ def perf_extra_methods(cuda: bool) -> dict[str, dict]:
         "bf16_compile_chunked": {"flags": half_compile + fused + ["--chunked_cross_entropy"]},
         "fp8_compile": {"flags": ["--torch_compile"] + fused, "launcher": fp8_launcher,
                         "skip": None if cuda else "FP8 needs an H100/H200"},
+        "bf16_compile": {"flags": speed},
+        "trainer": {"flags": speed, "script": benchmark.TRAINER},
+        "liger": {"flags": speed + liger, "skip": None if cuda else LIGER},
+        "bf16_compile_8x": {"flags": speed + double},
+        "plain_8x": {"flags": speed + double, "script": benchmark.PLAIN},
+        "trainer_8x": {"flags": speed + double, "script": benchmark.TRAINER},
+        "liger_8x": {"flags": speed + liger + double, "skip": None if cuda else LIGER},
     }
 
 
@@ -151,7 +173,7 @@ def run_benchmark(suite: Suite, long_context: bool = False, methods: list[str] |
         return state
     argv = benchmark_argv(suite, new, long_context)
     try:
-        args = benchmark.parse_args(argv, extra_methods=perf_extra_methods(suite.cuda))
+        args = benchmark.parse_args(argv, extra_methods=perf_extra_methods(suite.cuda, suite.settings.perf_batch))
     except SystemExit as e:
         state["failed"].update({m: f"benchmark.py refused its arguments (exit {e.code})" for m in new})
         return state
@@ -213,12 +235,15 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
         if long_context:
             detail["logits"] = "full" if FULL_LOGITS else "chunked"
             figure += f"; full logits ({FULL_LOGITS})" if FULL_LOGITS else "; chunked loss"
-        if method == "plain_pytorch":
-            if "ours_over_plain" not in row:
-                why = (result["failed"].get("bf16_compile") or "not run").splitlines()[0][:160]
-                return Outcome(FAIL, f"no ratio: bf16_compile has no run ({why}); plain: {figure}", detail)
-            detail["ours_over_plain"] = row["ours_over_plain"]
-            figure = f"ours / plain loop {row['ours_over_plain']:.3f}x (bf16_compile flags); plain: {figure}"
+        figure = f"step {1e3 * row['step_time_median_s']:,.1f} ms, " + figure
+        if method in PEERS:
+            ours_method, key = PEERS[method]
+            ours = result["rows"].get(ours_method)
+            if ours is None:
+                why = (result["failed"].get(ours_method) or "not run").splitlines()[0][:160]
+                return Outcome(FAIL, f"no ratio: {ours_method} has no run ({why}); {method}: {figure}", detail)
+            detail[key] = row["step_time_median_s"] / ours["step_time_median_s"]
+            figure = f"{key.replace('_', ' ')} {detail[key]:.3f}x ({ours_method} flags); {method}: {figure}"
         return Outcome(PASS, figure, detail)
     return Row(name, 2, what, check, cuda_only, needs)
 
@@ -248,6 +273,94 @@ def check_mfu_goal(suite: Suite) -> Outcome:
                    {"mfu": row["mfu"]})
 
 
+PEER_LABELS = {"bf16_compile": "ours", "plain_pytorch": "textbook loop", "trainer": "Trainer",
+               "liger": "ours + Liger"}
+
+
+def peer_table(rows: dict[str, dict]) -> list[dict]:
+    """The peer rows the benchmark has, at each batch: step time, tokens/s, MFU, peak memory, and ours' speed over
+    each peer (its median step time over ours')."""
+    table = []
+    for suffix in ("", "_8x"):
+        for method, label in PEER_LABELS.items():
+            name = ("plain" if method == "plain_pytorch" and suffix else method) + suffix
+            row = rows.get(name)
+            if row is None:
+                continue
+            ours = rows.get("bf16_compile" + suffix)
+            table.append({"loop": label, "method": name, "batch_times": 2 if suffix else 1,
+                          **{key: row[key] for key in ("step_time_median_s", "tokens_per_second", "mfu",
+                                                       "peak_memory_bytes", "peak_memory_reserved_bytes")},
+                          "ours_over_it": row["step_time_median_s"] / ours["step_time_median_s"] if ours else None})
+    return table
+
+
+def peer_markdown(table: list[dict], cuda: bool, batch: int, seq: int) -> list[str]:
+    """The peer table as markdown lines (none when no peer ran)."""
+    if not table:
+        return []
+    unit, scale = ("GiB", 2**30) if cuda else ("MiB (peak RSS)", 2**20)
+    lines = [f"| loop | sequences x tokens | step, ms (median) | tokens/s | MFU | peak allocated / reserved, {unit} | "
+             "ours over it |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in table:
+        reserved = f"{r['peak_memory_reserved_bytes'] / scale:,.1f}" if r["peak_memory_reserved_bytes"] else "-"
+        lines.append(f"| {r['loop']} | {batch * r['batch_times']} x {seq:,} | "
+                     f"{1e3 * r['step_time_median_s']:,.1f} | {r['tokens_per_second']:,.0f} | "
+                     + (f"{r['mfu']:.1%}" if r["mfu"] is not None else "-")
+                     + f" | {r['peak_memory_bytes'] / scale:,.1f} / {reserved} | "
+                     + (f"{r['ours_over_it']:.3f}x" if r["ours_over_it"] is not None else "-") + " |")
+    return lines
+
+
+def check_peer_table(suite: Suite) -> Outcome:
+    """The peer rows that ran before it, side by side (it runs nothing)."""
+    rows = (suite.memoized("benchmark") or {}).get("rows", {})
+    table = peer_table(rows)
+    ours = rows.get("bf16_compile")
+    missing = [PEER_LABELS[m] for m in ("bf16_compile", "plain_pytorch", "trainer") if m not in rows]
+    if missing:
+        return Outcome(FAIL, f"no run of {', '.join(missing)} (the peer rows before this one)", {"rows": table})
+    detail = {"rows": table, "mfu": ours["mfu"],
+              **{key: rows[m]["step_time_median_s"] / ours["step_time_median_s"]
+                 for m, (reference, key) in PEERS.items() if reference == "bf16_compile" and m in rows}}
+    figure = f"ours {1e3 * ours['step_time_median_s']:,.1f} ms a step; " + ", ".join(
+        f"{key.replace('_', ' ')} {detail[key]:.3f}x" for key in ("ours_over_plain", "ours_over_trainer",
+                                                                   "ours_over_liger") if key in detail)
+    figure += f"; MFU {ours['mfu']:.1%}" if ours["mfu"] is not None else "; no MFU (no GPU of known peak)"
+    return Outcome(PASS, figure, detail)
+
+
+def check_profile_step(suite: Suite) -> Outcome:
+    """benchmarks/profile_step.py on one step of ours (bf16_compile's flags at the perf shape): its wall time and, on a
+    GPU, the share of it the GPU is busy."""
+    s = suite.settings
+    step = s.warm_steps + 5  # compiled and warm (docs/results: step 8 on a GPU)
+    figures_path = os.path.join(suite.work, "profile_step.json")
+    if os.path.exists(figures_path):
+        os.remove(figures_path)
+    recipe = [PRETRAIN, "--model_preset", s.perf_preset, "--block_size", str(s.perf_seq),
+              "--per_device_train_batch_size", str(s.perf_batch), "--max_steps", str(step), "--logging_steps", "1",
+              "--sample_max_new_tokens", "0", "--max_eval_samples", "2", "--cache_dir", os.path.join(suite.work, "cache"),
+              "--tokenizer_vocab_size", str(s.perf_vocab),
+              *perf_extra_methods(suite.cuda, s.perf_batch)["bf16_compile"]["flags"]]
+    if not suite.cuda:
+        recipe += ["--train_file", suite.data["train"], "--validation_file", suite.data["validation"]]
+    run = suite.train("profile_step", os.path.join(ROOT, "benchmarks", "profile_step.py"),
+                      ["--step", str(step), "--exit_after_step", "--output_json", figures_path, "--", *recipe])
+    if not os.path.isfile(figures_path):
+        return Outcome(FAIL, run.error or "profile_step.py wrote no figures")
+    with open(figures_path, encoding="utf-8") as f:
+        figures = json.load(f)
+    top = figures["top_cpu_operators"][0]["name"] if figures["top_cpu_operators"] else "-"
+    figure = f"step {step} of ours: {1e3 * figures['wall_s']:,.1f} ms"
+    if not suite.cuda:
+        return Outcome(PASS, f"{figure} (a CPU: no GPU busy share); most CPU time: {top}", figures)
+    if not figures["gpu_busy_s"]:
+        return Outcome(FAIL, f"{figure}, but the profile holds no GPU kernel", figures)
+    return Outcome(PASS, f"{figure}, GPU busy {1e3 * figures['gpu_busy_s']:,.1f} ms ({figures['gpu_busy_share']:.1%});"
+                   f" the rest it waits for the host", figures)
+
+
 def check_largest_presets(suite: Suite) -> Outcome:
     s = suite.settings
     gpu = torch.cuda.get_device_properties(0).total_memory
@@ -274,7 +387,19 @@ def part2_rows() -> list[Row]:
         perf_row("perf_long_op", "long context: the same + --selective_ac_option op (matmul outputs kept)"),
         perf_row("perf_long_full", "long context: the same + --gradient_checkpointing (every layer)"),
         perf_row("perf_long_offload", "long context: the same + --gradient_checkpointing --activation_offloading"),
-        perf_row("perf_plain_loop", "benchmarks/plain_loop.py with the bf16_compile flags: our tokens/s over its"),
+        perf_row("perf_plain_loop", "benchmarks/plain_loop.py with the bf16_compile flags: our speed over its"),
+        perf_row("perf_trainer", "benchmarks/trainer_loop.py (transformers' Trainer: whole-model torch_compile, fused "
+                 "AdamW, bf16, use_cache=False): our speed over its"),
+        perf_row("perf_liger", "ours + --use_liger_kernel", cuda_only=LIGER, needs=("liger_kernel",)),
+        Row("perf_peer_table", 2, "the peer rows side by side: step time, tokens/s, MFU, peak memory, ours over each",
+            check_peer_table),
+        Row("perf_profile_step", 2, "benchmarks/profile_step.py on one step of ours: the share of it the GPU is busy",
+            check_profile_step),
+        perf_row("perf_bf16_compile_8x", "ours at twice the batch"),
+        perf_row("perf_plain_loop_8x", "the textbook loop at twice the batch: our speed over its"),
+        perf_row("perf_trainer_8x", "Trainer at twice the batch: our speed over its"),
+        perf_row("perf_liger_8x", "ours + --use_liger_kernel at twice the batch", cuda_only=LIGER,
+                 needs=("liger_kernel",)),
         Row("perf_mfu_goal", 2, f"MFU of bf16 + compile + fused AdamW >= {MFU_GOAL:.0%}", check_mfu_goal,
             cuda_only="MFU needs a GPU of known peak FLOP/s"),
         Row("perf_largest_presets", 2, "largest preset that fits per memory technique (estimate_memory.py)",

@@ -6,6 +6,7 @@ import json
 import os
 import tarfile
 
+from gpu_suite.performance import peer_markdown, peer_table
 from gpu_suite.suite import FAIL, PASS, SKIP, Suite
 
 
@@ -45,6 +46,12 @@ def write_results(suite: Suite, results: list[dict], env: dict, seconds: float) 
     md += summary_table(results, "## Summary", "")[2:]
     md += ["", "## Rows", ""] + [f"- **{r['name']}** ({r['status']}, {r['seconds']} s): {r['what']}. {r['figure']}"
                                  for r in results]
+    peers = peer_table(benchmark_result.get("rows", {}))
+    if peers:
+        s = suite.settings
+        md += ["", "## Peer table", "", "Each loop with ours' flags (bf16, compile, fused AdamW), the same model and "
+               f"tokens per step; medians over {s.timed_steps} timed steps whose timer waits for the device. Ours "
+               "over it: its step time over ours'.", ""] + peer_markdown(peers, suite.cuda, s.perf_batch, s.perf_seq)
     for heading, result in (("Performance", benchmark_result), ("Long context", long_result)):
         if result.get("markdown"):
             md += ["", f"## {heading} (benchmarks/benchmark.py)", "", result["markdown"]]
