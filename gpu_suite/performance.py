@@ -340,8 +340,8 @@ def check_profile_step(suite: Suite) -> Outcome:
         os.remove(figures_path)
     recipe = [PRETRAIN, "--model_preset", s.perf_preset, "--block_size", str(s.perf_seq),
               "--per_device_train_batch_size", str(s.perf_batch), "--max_steps", str(step), "--logging_steps", "1",
-              "--sample_max_new_tokens", "0", "--max_eval_samples", "2", "--cache_dir", os.path.join(suite.work, "cache"),
-              "--tokenizer_vocab_size", str(s.perf_vocab),
+              "--sample_max_new_tokens", "0", "--max_eval_samples", "2", "--tokenizer_vocab_size", str(s.perf_vocab),
+              "--cache_dir", os.path.join(suite.work, "cache"),
               *perf_extra_methods(suite.cuda, s.perf_batch)["bf16_compile"]["flags"]]
     if not suite.cuda:
         recipe += ["--train_file", suite.data["train"], "--validation_file", suite.data["validation"]]
