@@ -12,13 +12,14 @@
 #   bash tools/lent_gpu.sh --dry-run          # any CPU: the same pass-through (tiny preset; CUDA-only rows SKIP)
 #
 # What it adds to `python -m gpu_suite "$@"`: the carried wheels installed into /tmp/site (once per machine) and put
-# on PYTHONPATH; --budget_s unless given: 460 for the headline part (it ends inside a call of timeout_s 540, the
+# on PYTHONPATH; --budget_s unless given: 400 for the headline part (it ends inside a call of timeout_s 480, the
 # wheels' install included), 540 for part 1 or 2 (one 10-minute call each); --copy_to "$OUT" when $OUT is set
 # (results and a tarball of the logs come back); unbuffered output (a call returns only the output's tail).
 # --wheels fetches through ../shared/tools/device_wheels.sh (DEVICE_WHEELS overrides the path): the versions of
 # requirements.txt, transformers and torchdata too (the machine's transformers is older; it has no torchdata), plus
-# torchao for the fp8 rows; then it keeps only bitsandbytes' libraries for the machine's CUDA (BNB_KEEP, default
-# cuda13: its torch 2.11 is built for CUDA 13.0; BNB_KEEP=all keeps them all), 7 MiB of its 41. TRANSFORMERS=none
+# torchao for the fp8 rows and liger-kernel for the Liger rows (LIGER, default 0.8.5); then it keeps only
+# bitsandbytes' libraries for the machine's CUDA (BNB_KEEP, default cuda13: its torch 2.11 is built for CUDA 13.0;
+# BNB_KEEP=all keeps them all), 7 MiB of its 41. TRANSFORMERS=none
 # keeps the machine's transformers (13 MB less); EXTRA adds more. PYTHON picks the interpreter (default python3: on
 # the GPU machine the one that has torch).
 set -euo pipefail
@@ -37,7 +38,8 @@ fetch_wheels() {
   stage=$(mktemp -d)
   mkdir -p "$stage/.git/info"  # the tool notes .whl/ in .git/info/exclude; in a git worktree .git is a file
   (cd "$stage" && BNB=$bnb DS=$ds DATASETS=$datasets \
-     EXTRA="torchao==${TORCHAO:-0.18.0} torchdata==$torchdata $transformers ${EXTRA:-}" bash "$tool" >/dev/null)
+     EXTRA="torchao==${TORCHAO:-0.18.0} torchdata==$torchdata liger-kernel==${LIGER:-0.8.5} $transformers ${EXTRA:-}" \
+     bash "$tool" >/dev/null)
   rm -rf .whl && mv "$stage/.whl" .whl && rm -rf "$stage"  # one version of each package (two stop the install)
   [ "${BNB_KEEP:-cuda13}" = all ] || for wheel in .whl/bitsandbytes-*.whl; do
     [ -e "$wheel" ] || continue
@@ -94,7 +96,7 @@ if [[ " $* " != *" --dry-run "* ]]; then
   if [[ " $* " != *" --budget_s"* ]]; then  # start no row after this: the part ends inside its call
     case " $* " in
       *" --part all "* | *" --part=all "*) args+=(--budget_s 1080) ;;
-      *" --part headline "* | *" --part=headline "*) args+=(--budget_s 460) ;;
+      *" --part headline "* | *" --part=headline "*) args+=(--budget_s 400) ;;
       *) args+=(--budget_s 540) ;;
     esac
   fi
