@@ -226,7 +226,8 @@ def tree(folder) -> dict[str, bytes]:
 
 def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tmp_path, corpus):
     """--overwrite_output_dir with a malformed train file, or a --warmup_steps refused once the data is counted: one
-    line, status 2, and the previous run's checkpoints, weights, metrics and tokenizer stay byte for byte."""
+    line, status 2, and the previous run's checkpoints, weights, metrics, tokenizer and lock file (it named the failed
+    run's pid) stay byte for byte."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "a"}\n{"text": "b"\n')
     common = SMALL_RUN + ["--cache_dir", str(tmp_path / "cache")]
@@ -236,6 +237,7 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tm
     before = tree(previous)
     assert {"checkpoints/step_2/model.safetensors", "model.safetensors", "metrics.jsonl", "tokenizer.json",
             "all_results.json"} <= set(before)
+    lock = (previous / ".lock").read_bytes()  # names the run that wrote the folder
     bad_data = ["--train_file", str(rows), "--validation_file", str(rows)]
     long_warmup = ["--train_file", corpus["train"], "--validation_file", corpus["validation"], "--warmup_steps", "1000"]
     for flags, line in ((bad_data, f"error: --train_file {rows}: line 2 is not valid JSON (Expecting ',' delimiter at "
@@ -245,7 +247,7 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tm
                           check=False)
         errors = [e for e in proc.stderr.splitlines() if e.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(line), proc.stderr[-3000:]
-        assert tree(previous) == before
+        assert tree(previous) == before and (previous / ".lock").read_bytes() == lock
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import types
@@ -180,6 +181,55 @@ def test_a_full_disk_under_the_rust_tokenizers_write_is_one_line_and_leaves_noth
                         rf"\({re.escape(args.cache_dir)}/tokenizer-bpe-[0-9a-f]{{12}}\): No space left on device; "
                         "free some space or choose another --cache_dir", lines[-1]), lines
     assert os.listdir(args.cache_dir) == []  # no entry, no temporary folder
+
+
+# ---- the folder lock: a full disk is one line; a run that changed nothing leaves the lock file as it found it --------
+LOCK_AND_THEN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from common.errors import fail
+from common.features.folder_lock import lock_output_dir
+lock_output_dir(sys.argv[2])
+if sys.argv[3] == "bad input":
+    fail("bad input")
+open(sys.argv[2] + "/metrics.jsonl", "a").close()
+"""
+
+
+def lock_and_then(output_dir, then: str, wrap: list[str] = ()):
+    return subprocess.run([*wrap, sys.executable, "-c", LOCK_AND_THEN, ROOT, str(output_dir), then],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_full_disk_at_the_folder_lock_is_one_line_and_leaves_nothing(tmp_path):
+    """A real full disk (a 64 KiB tmpfs, filled): the lock's first write was an `OSError: [Errno 28]` traceback."""
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    fill_run_list = ('mount -t tmpfs -o size=64k tmpfs "$0" && (dd if=/dev/zero of="$0/fill" bs=4k 2>/dev/null; '
+                     '"$@"; rc=$?; ls -A "$0"; exit $rc)')
+    proc = lock_and_then(disk / "out", "write", ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                                                 fill_run_list, str(disk)])
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: --output_dir {disk}/out: its lock file {disk}/out/.lock could not be written (No space left on "
+        "device); nothing in the folder was changed: free some space, then rerun\n"), proc.stderr
+    assert proc.stdout.split() == ["fill"]  # the folder the run created is gone again
+
+
+def test_a_run_that_changes_nothing_leaves_the_lock_file_as_it_found_it(tmp_path):
+    """A run stopped by bad input once it held the lock (a failed --overwrite_output_dir, say) wrote its pid over the
+    previous run's: the file is given back; a run that writes in the folder is named by it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"weights")
+    (out / ".lock").write_text("pid 12345 on the-previous-host\n")
+    proc = lock_and_then(out, "bad input")
+    assert proc.returncode == 2 and proc.stderr == "error: bad input\n"
+    assert (out / ".lock").read_text() == "pid 12345 on the-previous-host\n"
+    assert lock_and_then(out, "write").returncode == 0
+    assert re.fullmatch(r"pid \d+ on .+\n", (out / ".lock").read_text()) and "12345" not in (out / ".lock").read_text()
+    assert lock_and_then(tmp_path / "new", "bad input").returncode == 2 and not (tmp_path / "new").exists()
 
 
 # ---- a model folder that cannot load: one line before any data is read --------------------------------------------
