@@ -491,3 +491,209 @@ def test_qlora_trains_against_its_disabled_adapter_and_exports_merged(dpo, tmp_p
         merged, base = (dpo_script.sequence_logps(AutoModelForCausalLM.from_pretrained(path).eval(), batch)[0]
                         for path in (os.path.join(out, "merged"), dpo["model"]))
     assert torch.isfinite(merged).all() and (merged - base).abs().max().item() > 1e-3
+
+
+# ---- the precomputed reference's cache entry: never used damaged or stale, nothing left by a kill --------------------
+PRECOMPUTED = ("--per_device_train_batch_size", "8", "--precompute_ref_log_probs")
+
+
+def reference_entries(cache: str) -> list[str]:
+    return sorted(os.path.join(cache, n, "reference_logps.pt") for n in os.listdir(cache)
+                  if n.startswith("dpo-reference-") and ".tmp" not in n and ".damaged" not in n)
+
+
+def assert_same_run(out: str, clean: str) -> None:
+    """Losses, gradient norms, rewards, evaluation and weights exactly those of the run with a clean cache."""
+    def figures(folder: str) -> list[dict]:
+        return [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm") or k.startswith(("rewards/", "logps/",
+                                                                                                 "eval_"))}
+                for r in read_metrics(folder)]
+    assert figures(out) == figures(clean) and any("eval_loss" in r for r in figures(out))
+    assert max_difference(weights(out), weights(clean)) == 0.0
+
+
+@pytest.fixture(scope="module")
+def precomputed_clean(dpo) -> dict[str, str]:
+    """2 steps with the reference's values precomputed into an empty cache: what a run reading any cache must equal."""
+    cache = os.path.join(dpo["dir"], "clean-cache")
+    out = train_dpo(dpo, os.path.join(dpo["dir"], "clean-precomputed"), *PRECOMPUTED, "--cache_dir", cache, steps=2)
+    return {"out": out, "cache": cache}
+
+
+def flip_two_value_bytes(path: str) -> None:
+    """Two bytes flipped inside the stored floats (not the zip's directory): torch.load still reads the file, with
+    other values (what a run without checksums would silently train against)."""
+    values = torch.load(path, weights_only=True)
+    blob = bytearray(open(path, "rb").read())
+    at = blob.find(values.numpy().tobytes())
+    assert at > 0
+    blob[at + 2] ^= 0xFF
+    blob[at + 7] ^= 0xFF
+    open(path, "wb").write(bytes(blob))
+    assert not torch.equal(torch.load(path, weights_only=True), values)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_reference_entry_is_rebuilt_with_one_line(dpo, precomputed_clean, tmp_path, damage):
+    """The cached values cut in half (a kill or a full disk mid-write) or with two bytes flipped: the run never reads
+    them, says so in one line per entry, rebuilds them, and trains exactly as the run with a clean cache."""
+    import shutil
+
+    cache = str(tmp_path / "cache")
+    shutil.copytree(precomputed_clean["cache"], cache)
+    entries = reference_entries(cache)
+    assert len(entries) == 2  # train and validation
+    for path in entries:
+        if damage == "truncated":
+            os.truncate(path, os.path.getsize(path) // 2)
+        else:
+            flip_two_value_bytes(path)
+    out = str(tmp_path / "out")
+    proc = run_script("finetune_dpo.py", "--model_name_or_path", dpo["model"], "--train_file", dpo["train"],
+                      "--validation_file", dpo["validation"], "--output_dir", out, "--max_steps", "2",
+                      "--learning_rate", LR, "--logging_steps", "1", "--seed", "0", *PRECOMPUTED, "--cache_dir", cache)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "is damaged" in line]
+    assert len(said) == 2 and all(os.path.dirname(p) in " ".join(said) for p in entries), said
+    assert_same_run(out, precomputed_clean["out"])
+    assert reference_entries(cache) == entries and not [n for n in os.listdir(cache) if "dpo-reference" in n and
+                                                        (".tmp" in n or ".damaged" in n)]
+
+
+def test_a_base_rewritten_in_place_never_reads_the_old_values(dpo, tmp_path):
+    """The base model re-saved with other weights of the same size and its mtime kept (as `cp -p` or `rsync -a`
+    leave it): the cache key is the weights' content, so the old values are not read; the policy starts as the new
+    reference: step 1's loss is log 2 and its margins 0, as a run with an empty cache."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    base, cache = str(tmp_path / "base"), str(tmp_path / "cache")
+    shutil.copytree(dpo["model"], base)
+    model_file = os.path.join(base, "model.safetensors")
+    moved = {**dpo, "model": base}
+    train_dpo(moved, str(tmp_path / "before"), *PRECOMPUTED, "--cache_dir", cache, steps=1)
+    stamps = {name: os.stat(os.path.join(base, name)).st_mtime_ns for name in os.listdir(base)}
+    size = os.path.getsize(model_file)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(base)
+    for name, stamp in stamps.items():
+        os.utime(os.path.join(base, name), ns=(stamp, stamp))
+    assert sorted(os.listdir(base)) == sorted(stamps) and os.path.getsize(model_file) == size
+    after = train_dpo(moved, str(tmp_path / "after"), *PRECOMPUTED, "--cache_dir", cache, steps=1)
+    fresh = train_dpo(moved, str(tmp_path / "fresh"), *PRECOMPUTED, "--cache_dir", str(tmp_path / "empty"), steps=1)
+    [first] = [r for r in read_metrics(after) if "loss" in r]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert train_losses(after) == train_losses(fresh) and max_difference(weights(after), weights(fresh)) == 0.0
+    assert len(reference_entries(cache)) == 4  # the old base's two entries and the new one's
+
+
+KILL_WHILE_WRITING = """
+import os, runpy, signal, sys
+import common.features.dpo_reference as reference
+write = reference.write_values
+def write_half_then_die(values, folder):  # SIGKILL halfway through writing the first entry
+    write(values, folder)
+    path = os.path.join(folder, reference.VALUES)
+    os.truncate(path, os.path.getsize(path) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+reference.write_values = write_half_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_run_killed_while_writing_the_values_leaves_no_temporary_file(dpo, precomputed_clean, tmp_path):
+    """SIGKILL halfway through writing the values: what it leaves is never read, the next run with that --cache_dir
+    removes it and trains exactly as the run with a clean cache; no `*.tmp*` is left."""
+    cache, wrapper = str(tmp_path / "cache"), tmp_path / "kill_while_writing.py"
+    wrapper.write_text(KILL_WHILE_WRITING)
+    args = ["--model_name_or_path", dpo["model"], "--train_file", dpo["train"], "--validation_file",
+            dpo["validation"], "--max_steps", "2", "--learning_rate", LR, "--logging_steps", "1", "--seed", "0",
+            *PRECOMPUTED, "--cache_dir", cache]
+    import subprocess
+
+    killed = subprocess.run([sys.executable, str(wrapper), os.path.join(SCRIPTS, "finetune_dpo.py"), *args,
+                             "--output_dir", str(tmp_path / "killed")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.path.dirname(SCRIPTS)}, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [n for n in os.listdir(cache) if ".tmp" in n] and not reference_entries(cache)  # killed mid-build
+    out = str(tmp_path / "out")
+    run_script("finetune_dpo.py", *args, "--output_dir", out)
+    assert not [n for n in os.listdir(cache) if ".tmp" in n] and len(reference_entries(cache)) == 2
+    assert_same_run(out, precomputed_clean["out"])
+
+
+def test_two_processes_precompute_with_fewer_validation_pairs_than_processes(dpo, one_process, tmp_path):
+    """2 processes and 1 validation pair: the process without a pair of its own repeats one in the pass, left out of
+    the values. The values equal the base model's log-probabilities computed here one sequence at a time (1e-5), and
+    the run trains as the one-process live-reference run (losses 1e-5, weights 1e-5)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    validation = tmp_path / "one.jsonl"
+    row = rows_of(dpo["validation"])[0]
+    validation.write_text(json.dumps(row) + "\n")
+    cache = str(tmp_path / "cache")
+    out = train_dpo({**dpo, "validation": str(validation)}, str(tmp_path / "ddp"), "--per_device_train_batch_size",
+                    "2", "--gradient_accumulation_steps", "2", "--precompute_ref_log_probs", "--cache_dir", cache,
+                    launcher=launcher("cpu_2proc.yaml"))
+    assert max_difference(weights(out), weights(one_process)) < WEIGHT_TOL
+    assert train_losses(out) == pytest.approx(train_losses(one_process), abs=1e-5)
+    [evaluation] = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert evaluation["eval_pairs"] == 1
+    tokenizer = AutoTokenizer.from_pretrained(dpo["model"])
+    base = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
+    prompt = tokenizer(row["prompt"])["input_ids"]
+    with torch.no_grad():
+        expected = torch.stack([plain_sequence_logps(base, prompt, tokenizer(row[key], add_special_tokens=False)
+                                                     ["input_ids"] + [tokenizer.eos_token_id])
+                                for key in ("chosen", "rejected")])
+    [one_pair] = [v for v in map(lambda p: torch.load(p, weights_only=True), reference_entries(cache)) if len(v) == 1]
+    assert (one_pair[0] - expected).abs().max().item() < 1e-5
+
+
+# ---- bad inputs: one line, exit status 2, no traceback, before the work they would spoil -----------------------------
+@pytest.mark.parametrize("case", ["mixed-rows", "mixed-rows-with-template", "template-syntax", "beta-inf",
+                                  "beta-nan", "beta-zero"])
+def test_bad_inputs_are_one_line_before_the_work(dpo, tmp_path, capsys, case):
+    """Text rows and a chat row in one file: refused before the tokenizer loads, with --chat_template too (which once
+    trained silently). A template that does not compile: refused before any data is read (the data here is bad
+    too). --beta inf / nan / 0: refused (inf once trained NaN steps and blamed the learning rate). Each: one line,
+    exit status 2, no traceback, from the script as run."""
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "Q", "chosen": "a", "rejected": "b"}, {"prompt": "Q", "chosen": "c", "rejected": "d"},
+        {"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "assistant", "content": "a"}],
+         "rejected": [{"role": "assistant", "content": "b"}]}]))
+    template, broken = tmp_path / "chat.jinja", tmp_path / "broken.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    broken.write_text("{% for m in messages %}{{ m['content'] }}{% endfor")
+    mixed_line = (f"--train_file {mixed}: row 3 holds chat turns where row 1 of the train split holds plain text: "
+                  "give every row the same kind")
+    flags, line = {
+        "mixed-rows": ([], mixed_line),
+        "mixed-rows-with-template": (["--chat_template", str(template)], mixed_line),
+        "template-syntax": (["--chat_template", str(broken)],
+                            f"--chat_template {broken}: not a Jinja template (line 1: unexpected end of template"),
+        "beta-inf": (["--beta", "inf"], "--beta must be a finite number > 0 (got inf)"),
+        "beta-nan": (["--beta", "nan"], "--beta must be a finite number > 0 (got nan)"),
+        "beta-zero": (["--beta", "0"], "--beta must be a finite number > 0 (got 0.0)"),
+    }[case]
+    data = ["--train_file", str(mixed), "--validation_file", dpo["validation"]] if "beta" not in case else \
+        ["--train_file", dpo["train"], "--validation_file", dpo["validation"]]
+    common = [*data, "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), *flags]
+    proc = run_script("finetune_dpo.py", "--model_name_or_path", dpo["model"], *common, check=False)
+    output = proc.stdout + proc.stderr
+    errors = [text for text in output.splitlines() if text.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {line}"), output[-3000:]
+    if case.startswith("mixed"):  # no tokenizer to load: a check after the tokenizer would fail on that first
+        dpo_script = load_script("finetune_dpo")
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            dpo_script.load_preference_data(dpo_script.parse_args(["--model_name_or_path", "unused", *common]),
+                                            None, None, None)
+        assert [text for text in capsys.readouterr().err.splitlines() if text.startswith("error:")] == errors
