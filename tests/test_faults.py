@@ -255,6 +255,8 @@ def broken_copy(source: str, target, damage: str) -> str:
     if damage == "cut":
         weights = os.path.join(target, "model.safetensors")
         os.truncate(weights, os.path.getsize(weights) - 1000)
+    elif damage == "no weights":
+        os.remove(os.path.join(target, "model.safetensors"))
     else:
         for name in os.listdir(target):
             if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
@@ -262,20 +264,23 @@ def broken_copy(source: str, target, damage: str) -> str:
     return str(target)
 
 
-@pytest.mark.parametrize("damage", ["cut", "no tokenizer"])
+@pytest.mark.parametrize("damage", ["cut", "no weights", "no tokenizer"])
 @pytest.mark.parametrize("script", ["pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py"])
 def test_a_model_folder_that_cannot_load_is_one_line_before_the_data(script, damage, tiny_model, corpus, tmp_path):
-    """A truncated model.safetensors gave a SafetensorError traceback, a folder without tokenizer files "Couldn't
-    instantiate the backend tokenizer": both after the data was loaded and tokenized. Now one line names the file or
-    folder, and no data was read (the output folder was never created)."""
+    """A truncated model.safetensors gave a SafetensorError traceback, a folder without weights an OSError one, a
+    folder without tokenizer files "Couldn't instantiate the backend tokenizer": all after the data was loaded and
+    tokenized. Now one line names the file or folder, and no data was read (the output folder was never created)."""
     model = broken_copy(tiny_model, tmp_path / "model", damage)
     out = tmp_path / "out"
     proc = run_script(script, "--model_name_or_path", model, "--train_file", corpus["train"], "--validation_file",
                       corpus["validation"], "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
                       check=False)
     lines = proc.stderr.strip().splitlines()
-    expected = (f"error: --model_name_or_path {model}: {model}/model.safetensors is cut short (4," if damage == "cut"
-                else f"error: --model_name_or_path {model}: the folder holds no tokenizer (none of tokenizer.json")
+    expected = f"error: --model_name_or_path {model}: " + {
+        "cut": f"{model}/model.safetensors is cut short (4,",
+        "no weights": "the folder holds a config but no weights (no *.safetensors or pytorch_model*.bin); copy or "
+                      "download the model's weight files there",
+        "no tokenizer": "the folder holds no tokenizer (none of tokenizer.json"}[damage]
     assert proc.returncode == 2 and lines[-1].startswith(expected), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not out.exists() and not (tmp_path / "cache").exists()
 

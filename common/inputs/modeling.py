@@ -62,14 +62,20 @@ def load_config(args: argparse.Namespace) -> PretrainedConfig:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt")
 
+# Weight files transformers loads from a model folder (torch, safetensors, GGUF; sharded: their index).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")  # an index: its shards checked below
+
 
 def check_model_folder(args: argparse.Namespace) -> None:
-    """A local --model_name_or_path with a weight file cut short (a failed copy or download), or a local tokenizer
-    folder without a tokenizer: one line naming the file or folder before any data is loaded (transformers said it
-    only once the model loaded, after the data, in a safetensors traceback or "Couldn't instantiate the backend
-    tokenizer")."""
+    """A local --model_name_or_path without weights or with a weight file cut short (a failed copy or download), or a
+    local tokenizer folder without a tokenizer: one line naming the file or folder before any data is loaded
+    (transformers said it only once the model loaded, after the data, in an OSError or safetensors traceback or
+    "Couldn't instantiate the backend tokenizer")."""
     name = args.model_name_or_path
     if name and os.path.isdir(name):
+        if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(name)):
+            fail(f"--model_name_or_path {name}: the folder holds a config but no weights (no *.safetensors or "
+                 "pytorch_model*.bin); copy or download the model's weight files there")
         for path in safetensors_files(name):
             problem = safetensors_problem(path)
             if problem:
