@@ -20,7 +20,8 @@ by the window's pair count (common/accumulation.py's mechanism, with pairs for t
 
 Reference: a second copy of the pretrained model, frozen, in eval mode, on the run's engine; with --use_peft the
 policy itself with its adapter disabled; with --precompute_ref_log_probs its log-probabilities computed once before
-training (cached under --cache_dir) and the reference freed. Dropout is off in both models unless --keep_dropout.
+training (a checksummed --cache_dir entry keyed by content: common/features/dpo_reference.py) and the reference freed.
+Dropout is off in both models unless --keep_dropout. Pairs are read, checked and collated in common/inputs/pairs.py.
 """
 
 from __future__ import annotations
