@@ -93,14 +93,23 @@ def same_training(run, reference, steps: int, of: str) -> tuple[list[str], float
     return problems, loss_gap, weight_gap
 
 
-def check_sft(suite: Suite) -> Outcome:
-    """scripts/finetune_causal_lm.py on prompt/completion pairs (loss on the completions) from a tiny base model."""
-    precision = ["--bf16"]
-    run = suite.train("sft", SFT, ["--model_name_or_path", suite.data["sft_model"], "--train_file",
+def sft_run(suite: Suite, name: str, flags: list[str]):
+    """scripts/finetune_causal_lm.py from a tiny Llama on the suite's prompt/completion pairs, bf16, 8 rows a step."""
+    return suite.train(name, SFT, ["--model_name_or_path", suite.data["sft_model"], "--train_file",
                                    suite.data["sft_train"], "--validation_file", suite.data["sft_validation"],
                                    "--max_seq_length", "256", "--learning_rate", "1e-3", "--max_steps",
                                    str(suite.settings.steps), "--per_device_train_batch_size", "8",
-                                   "--logging_steps", "1", "--seed", "0", *precision])
+                                   "--logging_steps", "1", "--seed", "0", "--bf16", *flags])
+
+
+def sft_reference_run(suite: Suite):
+    """The `sft` row's run (8 x 1, transformers' layers and loss): what the Liger row compares with."""
+    return suite.memo("sft", lambda: sft_run(suite, "sft", []))
+
+
+def check_sft(suite: Suite) -> Outcome:
+    """scripts/finetune_causal_lm.py on prompt/completion pairs (loss on the completions) from a tiny base model."""
+    run = sft_reference_run(suite)
     if run.error:
         return Outcome(FAIL, run.error)
     return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
@@ -152,6 +161,39 @@ def check_dpo_precomputed(suite: Suite) -> Outcome:
     problems, loss_gap, weight_gap = same_training(run, reference, suite.settings.steps, "the live reference")
     return verdict(problems, f"vs live reference: losses within {loss_gap:.1e}, weights {weight_gap:.1e}",
                    {"loss_gap": loss_gap, "weight_gap": weight_gap})
+
+
+LIGER = ["--use_liger_kernel"]
+
+
+def same_as(run, reference, of: str, steps: int) -> Outcome:
+    """`run` trained as `reference` did: the same losses and weights within bf16 tolerance; its export loads."""
+    if run.error or reference.error:
+        return Outcome(FAIL, run.error or f"{of}'s run failed: {reference.error}")
+    problems, loss_gap, weight_gap = same_training(run, reference, steps, of)
+    return verdict(problems + export_problems(run.out),
+                   f"vs {of}: losses within {loss_gap:.1e}, weights {weight_gap:.1e}; export loads",
+                   {"loss_gap": loss_gap, "weight_gap": weight_gap})
+
+
+def check_liger(suite: Suite) -> Outcome:
+    """Pretraining with Liger's kernels and fused loss = the bf16 row; the sample is generated after they are put
+    back (on the CPU, where Triton cannot run)."""
+    run = suite.train("liger", PRETRAIN, suite.pretrain_args() + ["--bf16"] + LIGER)
+    return same_as(run, suite.reference_run(), "the bf16 row", suite.settings.steps)
+
+
+def check_sft_liger(suite: Suite) -> Outcome:
+    """SFT 4 x 2 with Liger = the sft row's 8 x 1: the fused loss honours num_items_in_batch (a mean per micro-batch
+    would log about twice the loss)."""
+    run = sft_run(suite, "sft_liger", LIGER + ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+                                               "2"])
+    return same_as(run, sft_reference_run(suite), "the sft row (8 x 1)", suite.settings.steps)
+
+
+def check_dpo_liger(suite: Suite) -> Outcome:
+    """DPO with Liger's rope, RMSNorm and SwiGLU in the policy and the reference (no fused loss) = the dpo row."""
+    return same_as(dpo_run(suite, "dpo_liger", LIGER), dpo_reference_run(suite), "the dpo row", suite.settings.steps)
 
 
 def check_classifier(suite: Suite) -> Outcome:
@@ -217,4 +259,11 @@ def part1_rows() -> list[Row]:
         Row("classifier", 1, "scripts/finetune_classifier.py: the packaged MiniLM reaches >= 90 % accuracy",
             check_classifier),
     ]
+    cuda = "Liger kernels are Triton: CUDA only (--use_liger_kernel refuses a CPU)"
+    rows += [Row("liger", 1, "--use_liger_kernel, pretraining, bf16 = the bf16 row (losses, weights)", check_liger,
+                 cuda, ("liger_kernel",)),
+             Row("sft_liger", 1, "--use_liger_kernel, SFT 4 x 2 = the sft row's 8 x 1 (bf16 tolerance)",
+                 check_sft_liger, cuda, ("liger_kernel",)),
+             Row("dpo_liger", 1, "--use_liger_kernel in DPO (no fused loss) = the dpo row (bf16 tolerance)",
+                 check_dpo_liger, cuda, ("liger_kernel",))]
     return rows

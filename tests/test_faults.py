@@ -285,6 +285,28 @@ def test_a_model_folder_that_cannot_load_is_one_line_before_the_data(script, dam
     assert "Traceback" not in proc.stderr and not out.exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_a_json_file_of_the_model_folder_cut_short_is_named(tiny_model, tmp_path, capsys, name):
+    """tokenizer.json cut in half: transformers' error ("Unterminated string starting at: line ...") named no file."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from common.inputs import from_pretrained_or_fail
+
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_model, model)
+    path = os.path.join(model, name)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(json.JSONDecodeError) as raw:  # what the run met before
+        json.loads(open(path).read())
+    load = AutoConfig.from_pretrained if name == "config.json" else AutoTokenizer.from_pretrained
+    with pytest.raises(SystemExit) as stopped:
+        from_pretrained_or_fail(load, model, "--model_name_or_path")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"error: --model_name_or_path {model}: {path} is not valid JSON ({raw.value})\n"
+
+
 def test_a_data_error_in_an_existing_output_dir_leaves_no_lock(corpus, tmp_path):
     """An output folder that holds a file already, and a data file with a row lacking its text: the run stops with
     one line and the folder holds what it held (the lock file used to stay: the folder was not empty)."""

@@ -3,6 +3,7 @@ model presets and how a model is built. Imports the core (`common.*`), never `co
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -26,13 +27,14 @@ def from_pretrained_or_fail(load: Callable, name: str, flag: str):
     try:
         return load(name)
     except (OSError, ValueError) as e:
-        config_file = os.path.join(name, "config.json")
-        if os.path.isfile(config_file):
+        # a JSON file of the folder cut short or edited (config.json first): transformers' error does not name it
+        json_files = sorted(glob.glob(os.path.join(glob.escape(name), "*.json")), key=lambda f: f[-12:] != "/config.json")
+        for json_file in json_files if os.path.isdir(name) else []:
             try:
-                with open(config_file, encoding="utf-8") as f:
+                with open(json_file, encoding="utf-8") as f:
                     json.load(f)
             except ValueError as bad:
-                fail(f"{flag} {name}: {config_file} is not valid JSON ({bad})")
+                fail(f"{flag} {name}: {json_file} is not valid JSON ({bad})")
         if missing_local_path(name):
             fail(f"{flag} {name}: no such folder")
         fail(f"{flag} {name}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
