@@ -74,9 +74,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam_beta2", type=float, default=0.95, help="AdamW beta2.")
     g.add_argument("--adam_epsilon", type=float, default=1e-8, help="AdamW epsilon.")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm; 0: no clipping.")
-    g.add_argument("--optim", default="adamw_torch_fused", choices=OPTIMIZERS,
-                   help="Optimizer. adamw_torch_fused (the default) skips a non-finite step on the device, without a "
-                   "read to the host; the others wait for one read per step.")
+    g.add_argument("--optim", default="adamw_torch_fused", choices=OPTIMIZERS, help="Optimizer (adamw_torch_fused: "
+                   "a non-finite step is skipped on the device; the others wait for one read to the host per step).")
     g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS, help="Learning-rate schedule.")
     g.add_argument("--warmup_steps", type=int, default=None, help="Warmup optimizer steps (None: 5%% of the run).")
     g.add_argument("--num_train_epochs", type=float, default=1.0, help="Passes over the training data.")

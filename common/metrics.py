@@ -134,12 +134,9 @@ class StepLog:
         self._reset()
 
     def _reset(self) -> None:
-        device = self.accelerator.device
-        self.padding = torch.zeros((), dtype=torch.long, device=device)
-        # the window's finite-loss sum, finite steps, skipped steps: on the device (float64: a Python float's sum)
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss_steps = torch.zeros((), dtype=torch.float64, device=device)
-        self.skipped = torch.zeros((), dtype=torch.float64, device=device)
+        self.padding = torch.zeros((), dtype=torch.long, device=self.accelerator.device)
+        # on the device: the window's finite-loss sum (float64, as Python sums floats), finite steps, skipped steps
+        self.losses = torch.zeros(3, dtype=torch.float64, device=self.accelerator.device)
         self.positions = 0
 
     def count_tokens(self, batch: dict) -> None:
@@ -159,23 +156,19 @@ class StepLog:
         return step % self.logging_steps == 0 or step == self.total_steps
 
     def step(self, step: int, lr: float, checked) -> None:
-        """Optimizer step `step` is done (`checked`: its common/guard.py StepCheck, its figures still on the device
-        unless read): advance the bar; every `logging_steps` and at the end, write a row (the loop has read the
-        step's check then: the row's gradient norm is the step's)."""
+        """Optimizer step `step` is done (`checked`: its common/guard.py check, its figures on the device unless
+        read; a row's step has been read): advance the bar; every `logging_steps` and at the end, write a row."""
         self.bar.update(1)
         loss, _, norm = checked.values.detach().double()
-        finite_loss = torch.isfinite(loss)
-        self.loss_sum += torch.where(finite_loss, loss, 0.0)
-        self.loss_steps += finite_loss
-        # not finite: the divergence guard (or the fp16 loss scaler) skipped its update
-        self.skipped += ~(finite_loss & torch.isfinite(norm)) if checked.has_norm else ~finite_loss
+        finite = torch.isfinite(loss)
+        skipped = ~(finite & torch.isfinite(norm)) if checked.has_norm else ~finite  # the guard or the scaler skipped it
+        self.losses += torch.stack([torch.where(finite, loss, 0.0), finite.double(), skipped.double()])
         if not self.writes_row(step):
             return
         acc = self.accelerator
         counts = acc.reduce(torch.stack([self.padding, torch.full_like(self.padding, self.positions)]), "sum")
-        # one read for the row: the token counts (all processes) and the window's loss figures (already global)
-        padding, positions, loss_sum, loss_steps, skipped = torch.cat(
-            [counts.double(), torch.stack([self.loss_sum, self.loss_steps, self.skipped])]).tolist()
+        # one read: the token counts (all processes) and the window's losses (already over all processes)
+        padding, positions, loss_sum, loss_steps, skipped = torch.cat([counts.double(), self.losses]).tolist()
         padding, positions = int(padding), int(positions)
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
         self.throughput.add(positions - padding)  # real tokens: padding is wasted work

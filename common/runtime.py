@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from datetime import timedelta
@@ -33,7 +32,6 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
     - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
     """
-    clip_in_deepspeed_as_flagged(args.max_grad_norm)
     extra, backend = {}, None
     fsdp_on_cpu = False
     if not torch.cuda.is_available():
@@ -76,21 +74,6 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
     set_seed(args.seed)
     logger.info(accelerator.state, main_process_only=True)
     return accelerator
-
-
-def clip_in_deepspeed_as_flagged(max_grad_norm: float) -> None:
-    """accelerate fills a DeepSpeed JSON's "auto" gradient_clipping with 1.0 whatever the script says; its launcher's
-    own variable carries --max_grad_norm instead (0 disables clipping, as without DeepSpeed)."""
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not os.path.isfile(path):
-        return
-    try:
-        with open(path, encoding="utf-8") as f:
-            ds_config = json.load(f)
-    except (OSError, ValueError):
-        return  # DeepSpeed itself reports it (common/features/deepspeed_check.py does, in one line)
-    if isinstance(ds_config, dict) and ds_config.get("gradient_clipping") == "auto":
-        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(max_grad_norm)
 
 
 def process_group_kwargs(timeout_seconds: float, backend: str | None = None) -> InitProcessGroupKwargs:

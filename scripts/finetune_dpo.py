@@ -374,9 +374,8 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    # no read here: a non-finite step is skipped on the device, its figures read a step later
-                    verdict = guard.check(window_loss, grad_norm).verdict  # settles the previous step first
-                    lr = lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
+                    verdict = guard.check(window_loss, grad_norm).verdict  # no read: skips on the device
+                    lr = lr_scheduler.get_last_lr()[0]  # after the check, which settles the last step
                     if verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
@@ -384,12 +383,10 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                 optimizer.zero_grad(set_to_none=True)
         step = progress.step
         saving = bool(args.checkpointing_steps) and step % args.checkpointing_steps == 0
-        # read now where the loop needs the step's figures (a row, a checkpoint); else the next check does
-        checked = guard.step_check(read=saving or log.writes_row(step))
+        checked = guard.step_check(read=saving or log.writes_row(step))  # the figures a row or save needs
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS
         log.step(step, lr, checked)
-
         stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():

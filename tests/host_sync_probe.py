@@ -77,12 +77,14 @@ def main() -> None:
     import common.metrics
     import common.features.preemption
 
-    copy_to_host = common.guard.StepGuard.copy_to_host
+    check = common.guard.StepGuard.check
 
-    def copy_to_host_and_mark(self, checked):
-        copy_to_host(self, checked)
-        late_copies[id(checked.late)] = checked.step
-        kept_alive.append(checked.late)
+    def check_and_mark_the_late_copy(self, *args, **kwargs):
+        checked = check(self, *args, **kwargs)
+        if checked.late is not None:
+            late_copies[id(checked.late)] = checked.step
+            kept_alive.append(checked.late)
+        return checked
 
     start = common.features.preemption.catch_stop_signals
     log_step, log_close = common.metrics.StepLog.step, common.metrics.StepLog.close
@@ -107,7 +109,7 @@ def main() -> None:
         log_close(self)
 
     common.features.preemption.catch_stop_signals = catch_stop_signals_and_count
-    common.guard.StepGuard.copy_to_host = copy_to_host_and_mark
+    common.guard.StepGuard.check = check_and_mark_the_late_copy
     common.metrics.StepLog.step, common.metrics.StepLog.close = step, close
     sys.argv = [script, *flags]
     try:

@@ -182,12 +182,10 @@ def test_auto_gradient_clipping_takes_the_flag(monkeypatch, tmp_path):
     from accelerate.utils import DeepSpeedPlugin
 
     from common.features.deepspeed_check import check_deepspeed_config
-    from common.runtime import clip_in_deepspeed_as_flagged
 
     path = launched_with(monkeypatch, tmp_path, load_json(os.path.join(ROOT, "ds_configs", "zero2.json")))
     monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING", raising=False)  # restored after the test
-    check_deepspeed_config(flags(max_grad_norm=0.0))  # the recipe's order: the JSON checked, then the flag applied
-    clip_in_deepspeed_as_flagged(0.0)
+    check_deepspeed_config(flags(max_grad_norm=0.0))
     assert DeepSpeedPlugin(hf_ds_config=path).deepspeed_config["gradient_clipping"] == 0.0
 
 

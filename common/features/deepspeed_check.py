@@ -2,7 +2,8 @@
 
 accelerate fills a JSON's "auto" values from the script, but where the JSON holds a number it silently wins (since
 accelerate 1.8 even over `gradient_accumulation_steps`, with only a logged warning), or fails deep inside DeepSpeed.
-This check reads the JSON the launcher names, before anything expensive, and fails with one line instead.
+This check reads the JSON the launcher names, before anything expensive, and fails with one line instead; an "auto"
+gradient_clipping takes --max_grad_norm (0: no clipping, as without DeepSpeed).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def check_deepspeed_config(args: argparse.Namespace) -> dict | None:
     if "optimizer" in config and args.optim == "adafactor":
         fail(f"--optim adafactor: DeepSpeed config {path} defines its own optimizer "
              f"({config['optimizer'].get('type')}); use a JSON without an optimizer block")
+    if config.get("gradient_clipping") == "auto":
+        # accelerate fills an "auto" clipping with 1.0 whatever the flag says; its launcher's variable carries the flag
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(args.max_grad_norm)
     if "optimizer" in config and args.optim not in ("adamw_torch", "adamw_torch_fused"):
         warnings.warn(f"--optim {args.optim} is not used: DeepSpeed config {path} defines the optimizer "
                       f"({config['optimizer'].get('type')}; with optimizer offload this is DeepSpeed's CPU Adam)")
