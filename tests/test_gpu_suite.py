@@ -11,10 +11,12 @@ tests/test_fsdp.py cover the engines on CPUs), perf_lora_8b as the adapters' ben
 The dry run goes through tools/lent_gpu.sh (the lent GPU machine's wrapper: with --dry-run it passes through to
 `python -m gpu_suite` and turns $OUT into --copy_to), so that the wrapper is proven with the suite.
 
-The headline part's dry run (about 20 s) runs as on the lent machine's torch 2.11, which has no F.linear_cross_entropy
-(the suite's process has it removed before it starts), its compiled rows and the rows another run covers left out:
-two long-context rows, which must then train with full logits and say so, and each row's result must be on disk
-before the next row ends.
+The headline part's dry run (about 70 s) runs its peer rows at the tiny size, their compile tracing only (aot_eager):
+ours, the textbook loop, transformers' Trainer (the Liger row is CUDA only), the peer table and one profiled step; the
+8B adapter rows are left out (perf_lora_8b runs in the full dry run). Each row's result must be on disk before the
+next row ends, and the peer rows' ratios must be their step times' quotients. Two long-context rows run as on the
+lent machine's torch 2.11, which has no F.linear_cross_entropy (the suite's process has it removed before it starts):
+they must train with full logits and say so.
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ import torch
 from conftest import ROOT
 
 SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
-                "perf_long_full,perf_qlora_8b,dpo_zero3")
-CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets", "liger",
-             "sft_liger", "dpo_liger"}
+                "perf_long_full,perf_qlora_8b,dpo_zero3,perf_trainer*,perf_peer_table,perf_profile_step,perf_*_8x")
+CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
             "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier", "perf_baseline",
             "perf_long_op", "perf_lora_8b", "perf_async_checkpoint"}
@@ -105,7 +106,9 @@ def test_cpu_rows_really_run_and_pass(dry_run):
     assert deselected == {"compile", "zero1", "zero3", "zero2_offload", "zero3_offload", "fsdp2", "perf_bf16_compile",
                           "perf_bf16_compile_checkpointing", "perf_bf16_compile_8bit", "perf_bf16_compile_chunked",
                           "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
-                          "perf_long_offload", "perf_qlora_8b", "dpo_zero3"}
+                          "perf_long_offload", "perf_qlora_8b", "dpo_zero3", "perf_trainer", "perf_peer_table",
+                          "perf_profile_step", "perf_bf16_compile_8x", "perf_plain_loop_8x", "perf_trainer_8x",
+                          "perf_liger_8x"}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 
@@ -171,8 +174,8 @@ def test_a_gpu_part_on_a_cpu_is_refused_in_one_line(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-HEADLINE_SKIPPED_HERE = ("perf_bf16_compile,perf_plain_loop,perf_lora_8b,perf_qlora_8b,perf_long_every2,perf_long_op,"
-                         "perf_long_offload")
+HEADLINE_SKIPPED_HERE = "perf_lora_8b,perf_qlora_8b"
+PEER_ROWS = {"perf_bf16_compile", "perf_plain_loop", "perf_trainer", "perf_peer_table", "perf_profile_step"}
 WITHOUT_CHUNKED_LOSS = ("import torch, torch.nn.functional as F; del F.linear_cross_entropy, "
                         "torch.nn.LinearCrossEntropyOptions; import runpy; "
                         "runpy.run_module('gpu_suite', run_name='__main__', alter_sys=True)")
@@ -184,9 +187,9 @@ def headline_dry_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("headline")
     with open(d / "stdout", "w") as stdout:
         proc = subprocess.Popen(
-            [sys.executable, "-c", WITHOUT_CHUNKED_LOSS, "--part", "headline", "--dry-run", "--skip",
-             HEADLINE_SKIPPED_HERE, "--work_dir", str(d / "work"), "--results_dir", str(d / "results"), "--copy_to",
-             str(d / "out")], cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, "-m", "gpu_suite", "--part", "headline", "--dry-run", "--skip", HEADLINE_SKIPPED_HERE,
+             "--work_dir", str(d / "work"), "--results_dir", str(d / "results"), "--copy_to", str(d / "out")],
+            cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT, text=True)
         seen, began = [], time.monotonic()
         while proc.poll() is None and time.monotonic() - began < 600:
             for path in (d / "out").glob("*-headline.json"):
@@ -207,11 +210,11 @@ def test_headline_rows_run_in_order_and_each_is_saved_before_the_next_ends(headl
     rows = table(stdout)
     rows.pop("total")
     assert list(rows) == list(CAPS_S)  # the headline's order, nothing else
-    assert {name for name, (status, _) in rows.items() if status == "PASS"} == {"perf_long_none", "perf_long_full"}
-    for name in ("perf_mfu_goal", "fp8"):
+    assert {name for name, (status, _) in rows.items() if status == "PASS"} == PEER_ROWS
+    for name in ("perf_mfu_goal", "perf_liger"):
         assert rows[name][0] == "SKIP" and rows[name][1].startswith("CUDA only: ")
     # while the second row ran, the file already held the first one's result (the rest: not reached yet)
-    assert any(s["perf_long_none"].startswith("PASS") and s["perf_long_full"].startswith("SKIP: not reached")
+    assert any(s["perf_bf16_compile"].startswith("PASS") and s["perf_plain_loop"].startswith("SKIP: not reached")
                for s in seen), seen
     for folder in ("results", "out"):
         names = sorted(p.name for p in (d / folder).iterdir() if not p.name.endswith(".tar.gz"))
@@ -219,13 +222,60 @@ def test_headline_rows_run_in_order_and_each_is_saved_before_the_next_ends(headl
                                        for n in names), names
 
 
-def test_headline_long_rows_fall_back_to_full_logits_without_the_chunked_loss(headline_dry_run):
-    _, stdout, d, _ = headline_dry_run
-    rows = table(stdout)
+def test_headline_peer_rows_carry_their_ratios_and_mfu(headline_dry_run):
+    """Each peer's `ours_over_*` is its median step time over ours' (the benchmark's own rows, recomputed here); the
+    peer table repeats them and ours' MFU (None on a CPU: no known peak); every loop ran ours' flags, the Trainer
+    through benchmarks/trainer_loop.py."""
+    _, _, d, _ = headline_dry_run
     record = json.loads(next((d / "out").glob("*-headline.json")).read_text())
+    runs = {r["method"]: r for r in record["performance"]}
+    assert sorted(runs) == ["bf16_compile", "plain_pytorch", "trainer"]
+    ours = runs["bf16_compile"]
+    assert runs["trainer"]["script"] == "benchmarks/trainer_loop.py"
+    assert runs["plain_pytorch"]["script"] == "benchmarks/plain_loop.py"
+    for run in runs.values():
+        assert {"--bf16", "--torch_compile"} <= set(run["flags"]) and run["flags"] == ours["flags"]
+        assert 0 < run["step_time_p25_s"] <= run["step_time_median_s"] <= run["step_time_p75_s"]
+        assert run["tokens_per_second"] > 0 and run["peak_memory_bytes"] > 0 and math.isfinite(run["final_loss"])
+    detail = {r["name"]: r["detail"] for r in record["rows"]}
+    ratios = {"ours_over_plain": runs["plain_pytorch"]["step_time_median_s"] / ours["step_time_median_s"],
+              "ours_over_trainer": runs["trainer"]["step_time_median_s"] / ours["step_time_median_s"]}
+    assert detail["perf_plain_loop"]["ours_over_plain"] == ratios["ours_over_plain"]
+    assert detail["perf_trainer"]["ours_over_trainer"] == ratios["ours_over_trainer"]
+    for name in ("perf_bf16_compile", "perf_plain_loop", "perf_trainer"):
+        assert detail[name]["mfu"] is None and detail[name]["step_time_median_s"] > 0
+    peers = detail["perf_peer_table"]
+    assert {k: peers[k] for k in ratios} == ratios and peers["mfu"] is None and "ours_over_liger" not in peers
+    assert [(r["loop"], r["ours_over_it"]) for r in peers["rows"]] == [
+        ("ours", 1.0), ("textbook loop", ratios["ours_over_plain"]), ("Trainer", ratios["ours_over_trainer"])]
+    profile = detail["perf_profile_step"]
+    assert profile["wall_s"] > 0 and profile["gpu_busy_s"] is None and profile["top_cpu_operators"]
+    md = next((d / "out").glob("*-headline.md")).read_text()
+    peer_lines = md.split("## Peer table")[1].split("\n## ")[0].splitlines()
+    assert [line.split(" | ")[0] for line in peer_lines if line.startswith("| ")][1:] == [
+        "| ours", "| textbook loop", "| Trainer"]  # after the header
+
+
+@pytest.fixture(scope="module")
+def long_dry_run(tmp_path_factory):
+    """Two long-context rows of part 2 as on a torch without F.linear_cross_entropy."""
+    d = tmp_path_factory.mktemp("long")
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_CHUNKED_LOSS, "--part", "2", "--dry-run", "--only",
+         "perf_long_none,perf_long_full", "--work_dir", str(d / "work"), "--results_dir", str(d / "results"),
+         "--copy_to", str(d / "out")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return proc, d
+
+
+def test_long_rows_fall_back_to_full_logits_without_the_chunked_loss(long_dry_run):
+    proc, d = long_dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table(proc.stdout)
+    record = json.loads(next((d / "out").glob("*-part2.json")).read_text())
     runs = {r["method"]: r for r in record["long_context"]}
     assert sorted(runs) == ["long_full", "long_none"]  # no baseline among them
     for name, method in (("perf_long_none", "long_none"), ("perf_long_full", "long_full")):
+        assert rows[name][0] == "PASS"
         assert "full logits (torch " in rows[name][1] and "has no F.linear_cross_entropy" in rows[name][1]
         assert "--chunked_cross_entropy" not in runs[method]["flags"] and "--bf16" in runs[method]["flags"]
         assert math.isfinite(runs[method]["final_loss"]) and runs[method]["tokens_per_second"] > 0
