@@ -374,8 +374,8 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                 log.count_tokens(batch)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    verdict = guard.check(window_loss, grad_norm).verdict  # no read: skips on the device
-                    lr = lr_scheduler.get_last_lr()[0]  # after the check, which settles the last step
+                    verdict = guard.check(window_loss, grad_norm).verdict
+                    lr = lr_scheduler.get_last_lr()[0]
                     if verdict is Verdict.APPLY:
                         optimizer.step()
                         if not accelerator.optimizer_step_was_skipped:
@@ -383,7 +383,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                 optimizer.zero_grad(set_to_none=True)
         step = progress.step
         saving = bool(args.checkpointing_steps) and step % args.checkpointing_steps == 0
-        checked = guard.step_check(read=saving or log.writes_row(step))  # the figures a row or save needs
+        checked = guard.step_check(read=saving or log.writes_row(step))
         if checked.verdict is Verdict.DIVERGED:
             return DIVERGED_STATUS
         log.step(step, lr, checked)
