@@ -1,6 +1,6 @@
 """The GPU suite: proves the recipes on a GPU (a headline part, correctness, performance), and its plumbing on a CPU.
 
-    python -m gpu_suite --part headline  # the figures that matter most, first: one device call on an H100
+    python -m gpu_suite --part headline  # the peer table, a profiled step, 8B adapters: one 8-minute H100 call
     python -m gpu_suite --part 1     # correctness on CUDA: precisions, optimizers, memory techniques, launchers
     python -m gpu_suite --part 2     # performance: the 1b preset at 2048 tokens, through benchmarks/benchmark.py
     python -m gpu_suite --dry-run    # any CPU: tiny preset, 3 steps; CUDA-only rows are SKIP, never PASS
@@ -16,8 +16,8 @@ run writes `gpu-suite-dry-run-*` files elsewhere), written again as each row end
 tools/lent_gpu.sh runs it on a lent GPU machine reached through a file-carrying command.
 
 Modules: suite (the runs and their settings), data (the runs' local data), checks (what every row checks), correctness
-(part 1's rows), performance (part 2's rows), adapters (part 2's LoRA and QLoRA rows on an 8B-shaped model),
-checkpoints (part 2's asynchronous-checkpoint row), headline (the headline part's rows, their order and caps),
-schedule (which rows run, in what order), report (the table and the results files), runner (how a run is started), cli
-(the flags and main).
+(part 1's rows), performance (part 2's rows, the peer table and the profiled step), adapters (part 2's LoRA and QLoRA
+rows on an 8B-shaped model), checkpoints (part 2's asynchronous-checkpoint row), headline (the headline part's rows,
+their order and caps), schedule (which rows run, in what order), report (the table and the results files), runner (how
+a run is started), cli (the flags and main).
 """
