@@ -58,7 +58,8 @@ def alive_at_peak(profile, device: str) -> dict:
     events = [e for e in timeline.timeline if e[2][0].device == target]
     for index, (t, action, (key, version), size) in enumerate(events):
         if action in (_memory_profiler.Action.PREEXISTING, _memory_profiler.Action.CREATE):
-            live[key], total = (version, size), total + size
+            total += size - live.get(key, (0, 0))[1]  # a key created again replaces what it held
+            live[key] = (version, size)
         elif action == _memory_profiler.Action.INCREMENT_VERSION:
             live[key] = (version + 1, size)
         elif action == _memory_profiler.Action.DESTROY:

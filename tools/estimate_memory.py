@@ -24,8 +24,13 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
 - Activations per GPU (Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s, hidden h, L layers,
   a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
   L·s·b·h·34. With --gradient_checkpointing only each layer's bf16 input stays (2·s·b·h·L) plus one layer's
-  activations while it is recomputed. Logits add s·b·V·10 (bf16 logits, their fp32 copy for the loss, its gradient);
-  with --chunked_cross_entropy only one chunk of 1,024 tokens exists at a time: min(s·b, 1024)·V·10.
+  activations while it is recomputed. Logits add s·b·V·12 at the loss's backward (the fp32 log-softmax, its gradient
+  and the input's gradient; measured on a CPU); with --chunked_cross_entropy only one chunk of 1,024 tokens exists at
+  a time (`logits_bytes`).
+- One run on one GPU (the --use_peft and --activation_modes tables, the GPU suite's memory rows): `peak_memory`, by
+  category, the larger of the loss's backward and a decoder layer's backward, a Llama layer's activations counted op
+  by op (`layer_activation_bytes`); checked against torch's memory profiler on a CPU (tests/test_memory_estimate.py,
+  docs/memory.md).
 - Activation modes (--activation_modes), bytes a token keeps per decoder layer: none 34·h; full checkpointing 2·h
   (the layer's bf16 input); every k-th layer checkpointed: the mean of the two over the layers; per op (selective):
   the bf16 outputs of the matmuls and attention, 2·(q + k + v + attention + o + gate + up + down); offload: 0 on the
@@ -61,6 +66,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from common.flags import ArgumentParser  # noqa: E402
+from common.features import chunked_loss  # noqa: E402
 from common.features.chunked_loss import CHUNK_TOKENS  # noqa: E402
 from common.errors import fail  # noqa: E402
 from common.inputs.modeling import PRESETS  # noqa: E402
@@ -123,10 +129,19 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       // config.num_attention_heads)
 
 
-def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool) -> float:
-    """The LM head's logits, their fp32 copy and gradient: all at once, or one chunk of them (see the docstring)."""
-    tokens = seq * batch
-    return (min(tokens, CHUNK_TOKENS) if chunked else tokens) * shape.vocab * 10
+LOGITS_BYTES = 12  # per token per vocabulary entry at the loss's backward: fp32 log-softmax, its gradient, the input's
+
+
+def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool, trained_head: bool = True) -> float:
+    """The logits at the loss's backward, all of them or one chunk (see the docstring)."""
+    tokens, v = seq * batch, shape.vocab
+    if not chunked:
+        return tokens * v * LOGITS_BYTES
+    if chunked_loss.OPTIONS is None:  # checkpointed chunks (torch < 2.13): one chunk as the unchunked loss holds it
+        return min(tokens, CHUNK_TOKENS) * v * LOGITS_BYTES
+    # F.linear_cross_entropy: a chunk's fp32 logits, an fp32 copy of the head's weight (and three more fp32 buffers
+    # of its size when the head is trained), measured on a CPU
+    return min(tokens, CHUNK_TOKENS) * v * 4 + 4 * v * shape.hidden * (4 if trained_head else 1)
 
 
 def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True,
@@ -140,35 +155,93 @@ def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: boo
     return layers * per_layer + logits
 
 
-def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2) -> float:
-    """Bytes one token keeps per decoder layer for the backward, by activation-memory mode (module docstring)."""
+def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2, residual: int = 2) -> float:
+    """Bytes one token keeps per decoder layer for the backward, by activation-memory mode (module docstring);
+    `residual`: bytes of a layer's input (4 when the embeddings are fp32, as in full fine-tuning under autocast)."""
     h, i, kv, layers = shape.hidden, shape.intermediate or 4 * shape.hidden, shape.kv_hidden or shape.hidden, shape.layers
-    every_layer = {"none": 34 * h, "full": 2 * h, "offload": 0,
+    kept = layer_activation_bytes(shape, residual)
+    every_layer = {"none": kept, "full": residual * h, "offload": 0,
                    "op": 2 * (h + 2 * kv + h + h + 2 * i + h)}  # matmul and attention outputs, bf16
     if mode.startswith("every"):
         checkpointed = math.ceil(layers / k)
-        return (2 * h * checkpointed + 34 * h * (layers - checkpointed)) / layers
+        return (residual * h * checkpointed + kept * (layers - checkpointed)) / layers
     return every_layer[mode]
+
+
+def layer_activation_bytes(shape: ModelShape, residual: int = 2) -> float:
+    """Bytes a Llama decoder layer saves per token for its backward under bf16 autocast, counted op by op: an fp32
+    residual stream (fp32 embeddings) has its two RMSNorms save fp32 tensors (16·h) and autocast cast the norms'
+    outputs once per projection (q, k, v, gate, up: 10·h), rotary q and k, the attention's output and o's input
+    (8·h + 4·kv), the MLP's gate, up, SiLU and product (8·i): 34·h + 4·kv + 8·i; a bf16 stream saves 20·h + 4·kv
+    + 8·i (measured on a CPU to 0.3 %, five shapes). Korthikanti's 34·h is a GPT layer's (MLP 4·h wide, no casts)."""
+    h, i, kv = shape.hidden, shape.intermediate or 4 * shape.hidden, shape.kv_hidden or shape.hidden
+    return (34 if residual == 4 else 20) * h + 4 * kv + 8 * i
+
+
+@dataclass
+class Run:
+    """One training run on one GPU holding the whole model (one GPU; DDP adds its gradient buckets), bf16 autocast."""
+    method: str = "full fine-tuning"  # or "LoRA", "QLoRA" (adapter_options' names)
+    seq: int = 2048
+    batch: int = 1
+    mode: str = "none"  # activation memory: none, every (2nd layer), op, full (checkpointing), offload
+    chunked: bool = False
+    optimizer_bytes: float = 8  # AdamW's m and v per trained parameter; 2 with --optim adamw_8bit
+    lora_r: int = 16
+    nested: bool = False
+
+
+def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
+    """Bytes alive at a training step's peak, by category, and "total": the GPU suite's memory rows and this tool's
+    per-run tables print this. The peak is the larger of two moments, measured on a CPU with torch's memory
+    profiler (docs/memory.md): the loss's backward (the logits at LOGITS_BYTES; no gradient yet, zero_grad left
+    them None) and a decoder layer's backward (the gradients; one layer's activations while it is recomputed)."""
+    tokens, h, v = run.seq * run.batch, shape.hidden, shape.vocab
+    _, _, base, trained = next(o for o in adapter_options(shape, run.lora_r, run.nested) if o[0] == run.method)
+    full = run.method == "full fine-tuning"
+    trained_params = trained / 16 if not full else shape.params
+    residual = 4 if full else 2  # fp32 embeddings make the residual stream fp32; a bf16 base keeps it bf16
+    # an adapter saves its input's dropout mask and bf16 cast (q, k, v, o, gate, up: h wide; down: i wide)
+    adapter_inputs = 0 if full else 3 * (6 * h + (shape.intermediate or 4 * h))
+    uncheckpointed = {"none": shape.layers, "op": shape.layers, "every": shape.layers - math.ceil(shape.layers / 2)
+                      }.get(run.mode, 0)
+    states = {"weights": 4 * shape.params if full else base - (2 * 2 * shape.largest_linear if run.method == "QLoRA"
+                                                                  else 0) + 4 * trained_params,
+              "optimizer states": run.optimizer_bytes * trained_params,
+              "activations kept": tokens * shape.layers * per_token_layer_bytes(shape, run.mode, residual=residual)
+              + tokens * uncheckpointed * adapter_inputs,
+              "casts": 2 * shape.params if full and run.mode == "none" else 0}  # autocast's bf16 weights, kept
+    # peft casts an adapter's input to fp32 and drops out from it: two fp32 copies of the widest input while it runs
+    adapter_casts = 0 if full else 8 * max(h, shape.intermediate or 4 * h)
+    recomputed = 0 if run.mode == "none" else tokens * (layer_activation_bytes(shape, residual) + adapter_inputs
+                                                        + adapter_casts)
+    loss = {"logits": logits_bytes(shape, run.seq, run.batch, run.chunked, trained_head=full),
+            "head input and casts": 2 * 4 * tokens * h + (2 * v * h if full and run.mode != "none" else 0)}
+    layer = {"gradients": 4 * trained_params, "layer recomputed": recomputed,
+             "dequantized weight": 2 * 2 * shape.largest_linear if run.method == "QLoRA" else 0}
+    moment = max((loss, layer), key=lambda m: sum(m.values()))
+    result = {**states, **moment}
+    return {**result, "total": sum(result.values())}
 
 
 def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states: float, what: str) -> list[str]:
     """Per mode: what a token keeps per layer, the activations at --seq_len, and the longest sequence that fits."""
     b, limit = args.micro_batch_size, HEADROOM * args.gpu_memory_gb * GB
     host_limit = HEADROOM * args.host_memory_gb * GB if args.host_memory_gb else math.inf
-    transient = 34 * shape.hidden  # one layer's activations while it runs (or is recomputed), per token
     lines = ["", f"Activation memory by mode ({what}, model states {states / GB:.1f} GB on one GPU, micro-batch {b}, "
              "SDPA, one chunk of the logits with --chunked_cross_entropy):", "",
-             "| mode | flags | bytes per token per layer | activations at --seq_len | longest sequence that fits |",
+             "| mode | flags | bytes per token per layer | GPU total at --seq_len | longest sequence that fits |",
              "|---|---|---|---|---|"]
     modes = [("none", ""), ("every 2nd layer", "--selective_ac_option 2"), ("per op", "--selective_ac_option op"),
              ("full", "--gradient_checkpointing"), ("offload", "--gradient_checkpointing --activation_offloading")]
     for name, flags in modes:
         key = {"every 2nd layer": "every", "per op": "op"}.get(name, name)
-        per = per_token_layer_bytes(shape, key)
-        extra = 0 if key == "none" else transient  # recomputed or prefetched: one layer at a time
+        residual = 4 if what == "full fine-tuning" else 2
+        per = per_token_layer_bytes(shape, key, residual=residual)
 
         def total(seq: int) -> float:
-            return states + seq * b * (per * shape.layers + extra) + logits_bytes(shape, seq, b, True)
+            return peak_memory(shape, Run(what, seq, b, key, chunked=True, lora_r=args.lora_r,
+                                          nested=args.use_bnb_nested_quant))["total"]
 
         # offload moves what full checkpointing keeps (each layer's bf16 input) to host RAM, which bounds it too
         host_per_token = b * per_token_layer_bytes(shape, "full") * shape.layers if key == "offload" else 0
@@ -178,7 +251,7 @@ def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states:
             longest += 1024
         longest_text = f"{longest:,} tokens" if longest else "none (model states alone do not fit)"
         lines.append(f"| {name} | {'`' + flags + '`' if flags else ''} | {per / 1e3:.1f} kB | "
-                     f"{(total(args.seq_len) - states) / GB:.1f} GB | "
+                     f"{total(args.seq_len) / GB:.1f} GB | "
                      f"{longest_text} |")
     bound = "90% of --host_memory_gb" if args.host_memory_gb else "host RAM (give --host_memory_gb to bound it)"
     lines += ["", f"Offload keeps each layer's bf16 input (2·h bytes per token per layer) in host RAM: its longest "
@@ -232,15 +305,17 @@ def adapter_options(shape: ModelShape, r: int, nested: bool) -> list[tuple[str, 
 
 def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     """The --use_peft table: full fine-tuning vs LoRA vs QLoRA, per GPU holding the whole model (one GPU, DDP)."""
-    acts = [activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, args.attn_implementation != "eager",
-                             args.chunked_cross_entropy) for ckpt in (False, True)]
     adapter_params = args.lora_r * shape.lora_per_rank
     lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({adapter_params / 1e6:.1f}M adapter "
              "parameters), per GPU holding the whole model (one GPU, DDP):", "",
-             "| method | flags | frozen base | trained weights, gradients, AdamW | activations (plain / checkpointed) "
+             "| method | flags | frozen base | trained weights, gradients, AdamW "
+             "| the rest at the peak (plain / checkpointed) "
              "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
     for method, flags, base, trained in adapter_options(shape, args.lora_r, args.use_bnb_nested_quant):
-        totals = [base + trained + a for a in acts]
+        totals = [peak_memory(shape, Run(method, args.seq_len, args.micro_batch_size, mode,
+                                         args.chunked_cross_entropy, lora_r=args.lora_r,
+                                         nested=args.use_bnb_nested_quant))["total"] for mode in ("none", "full")]
+        acts = [total - base - trained for total in totals]  # what the peak holds besides the model states
         verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
             totals[1], args.gpu_memory_gb * GB) else "no"
         lines.append(f"| {method} | {'`' + flags + '`' if flags else ''} | {base / GB:.1f} GB | {trained / GB:.2f} GB "
@@ -250,7 +325,7 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
               "2,048 packed tokens, activation checkpointing, chunked cross-entropy): "
               + "; ".join(f"{k} {v}" for k, v in PUBLISHED_8B.items()) + ". This estimate counts "
               + ("one chunk of the logits (--chunked_cross_entropy)." if args.chunked_cross_entropy else
-                 "the full logits (10 bytes per token per vocabulary entry); add --chunked_cross_entropy to count "
+                 "the full logits (12 bytes per token per vocabulary entry); add --chunked_cross_entropy to count "
                  "one chunk, as torchtune does.")]
     return lines
 
