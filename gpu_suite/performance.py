@@ -35,11 +35,13 @@ PEERS = {"plain_pytorch": ("bf16_compile", "ours_over_plain"), "trainer": ("bf16
 LIGER = "Liger kernels are Triton kernels (--use_liger_kernel refuses a CPU)"
 # Long-context rows: each activation-memory mode at `long_seq` tokens, bf16 with the chunked loss (the logits of a
 # long sequence would dominate otherwise): peak memory and tokens/s per mode. Where torch has no
-# F.linear_cross_entropy (before 2.13; the lent GPU machine's 2.11) they compute full logits instead, and say so.
-FULL_LOGITS = None if chunked_loss.OPTIONS is not None else \
-    f"torch {torch.__version__} has no F.linear_cross_entropy, which --chunked_cross_entropy needs"
+# F.linear_cross_entropy (before 2.13; the lent GPU machine's 2.11) the chunked loss runs as checkpointed chunks.
+CHUNKS = "chunked loss" + ("" if chunked_loss.OPTIONS is not None else
+                           f" (checkpointed chunks: torch {torch.__version__} has no F.linear_cross_entropy)")
 LONG_METHODS = {"perf_long_none": "long_none", "perf_long_every2": "long_every2", "perf_long_op": "long_op",
                 "perf_long_full": "long_full", "perf_long_offload": "long_offload"}
+LONG_MODES = {"long_none": "none", "long_every2": "every", "long_op": "op", "long_full": "full",
+              "long_offload": "offload"}  # estimate_memory.Run's activation-memory modes
 # benchmark method -> (estimate_memory row flags, activation checkpointing, chunked logits); fp8 is estimated as bf16
 ESTIMATED_AS = {"bf16_compile": ("", False, False), "plain_pytorch": ("", False, False),
                 "fp8_compile": ("", False, False), "bf16_compile_checkpointing": ("", True, False),
@@ -66,7 +68,7 @@ def perf_extra_methods(cuda: bool, batch: int) -> dict[str, dict]:
     liger = ["--use_liger_kernel"]
     fp8_launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                     os.path.join(CONFIGS, "fp8.yaml"), "--num_processes", "1"]
-    long_flags = ["--bf16"] + ([] if FULL_LOGITS else ["--chunked_cross_entropy"]) + fused
+    long_flags = ["--bf16", "--chunked_cross_entropy"] + fused
     return {
         "long_none": {"flags": long_flags},
         "long_every2": {"flags": long_flags + ["--selective_ac_option", "2"]},
@@ -88,14 +90,29 @@ def perf_extra_methods(cuda: bool, batch: int) -> dict[str, dict]:
     }
 
 
-_SHAPES: dict[str, estimate_memory.ModelShape] = {}
+_SHAPES: dict[tuple[str, int], estimate_memory.ModelShape] = {}
 
 
 def preset_shape(preset: str, vocab: int) -> estimate_memory.ModelShape:
-    if preset not in _SHAPES:  # built on the meta device: no memory, about a second for 8b
-        _SHAPES[preset] = estimate_memory.model_shape(argparse.Namespace(
+    if (preset, vocab) not in _SHAPES:  # built on the meta device: no memory, about a second for 8b
+        _SHAPES[preset, vocab] = estimate_memory.model_shape(argparse.Namespace(
             params=None, config_name=None, model_preset=preset, vocab_size=vocab))
-    return _SHAPES[preset]
+    return _SHAPES[preset, vocab]
+
+
+def row_estimate(suite: Suite, method: str) -> float | None:
+    """estimate_memory.peak_memory's total for a benchmark method's run (what the tool prints for it); None for
+    the fp32 baseline and the methods it does not model."""
+    s = suite.settings
+    if method in LONG_MODES:
+        run = estimate_memory.Run(seq=s.long_seq, batch=1, mode=LONG_MODES[method], chunked=True)
+    elif method in ESTIMATED_AS:
+        flags, checkpointing, chunked = ESTIMATED_AS[method]
+        run = estimate_memory.Run(seq=s.perf_seq, batch=s.perf_batch, mode="full" if checkpointing else "none",
+                                  chunked=chunked, optimizer_bytes=2 if "adamw_8bit" in flags else 8)
+    else:
+        return None
+    return estimate_memory.peak_memory(preset_shape(s.perf_preset, s.perf_vocab), run)["total"]
 
 
 def estimate_bytes(preset: str, vocab: int, seq: int, batch: int, config: str, flags: str,
@@ -228,14 +245,13 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
                                       "final_loss", "step_time_median_s", "speed_vs_baseline")}
         if not all(math.isfinite(row[k]) for k in ("tokens_per_second", "final_loss")):
             return Outcome(FAIL, f"non-finite figures {detail}", detail)
-        figure = f"{row['tokens_per_second']:,.0f} tok/s"
+        figure = f"{row['tokens_per_second']:,.0f} tok/s, step {1e3 * row['step_time_median_s']:,.1f} ms"
         if row["mfu"] is not None:
             figure += f", MFU {row['mfu']:.1%}"
         figure += memory_figure(suite, method, row, detail) + tail_note(row)
         if long_context:
-            detail["logits"] = "full" if FULL_LOGITS else "chunked"
-            figure += f"; full logits ({FULL_LOGITS})" if FULL_LOGITS else "; chunked loss"
-        figure = f"step {1e3 * row['step_time_median_s']:,.1f} ms, " + figure
+            detail["logits"] = "chunked"
+            figure += "; " + CHUNKS
         if method in PEERS:
             ours_method, key = PEERS[method]
             ours = result["rows"].get(ours_method)
@@ -249,16 +265,14 @@ def perf_row(name: str, what: str, cuda_only: str | None = None, needs: tuple[st
 
 
 def memory_figure(suite: Suite, method: str, row: dict, detail: dict) -> str:
-    if not suite.cuda:
-        return f", peak RSS {row['peak_memory_bytes'] / 2**20:,.0f} MiB (a CPU process: no estimate)"
+    estimate = row_estimate(suite, method)
+    if estimate is not None:
+        detail["estimate_bytes"] = estimate
+    if not suite.cuda:  # a process's peak RSS is no allocator peak: nothing to compare
+        return f", peak RSS {row['peak_memory_bytes'] / 2**20:,.0f} MiB (a CPU process)"
     text = f", peak {row['peak_memory_bytes'] / 2**30:.1f}/{(row['peak_memory_reserved_bytes'] or 0) / 2**30:.1f} " \
            "GiB alloc/reserved"
-    if method in ESTIMATED_AS:
-        s = suite.settings
-        flags, checkpointing, chunked = ESTIMATED_AS[method]
-        estimate, _ = estimate_bytes(s.perf_preset, s.perf_vocab, s.perf_seq, s.perf_batch, "single_gpu.yaml", flags,
-                                     checkpointing, chunked)
-        detail["estimate_bytes"] = estimate
+    if estimate is not None:
         text += f" vs estimate {estimate / 2**30:.1f} GiB ({row['peak_memory_bytes'] / estimate:.2f}x)"
     return text
 
@@ -381,8 +395,8 @@ def part2_rows() -> list[Row]:
                  needs=("torchao",)),
         perf_row("perf_bf16_compile_8bit", "bf16 + --torch_compile + 8-bit AdamW", needs=("bitsandbytes",)),
         perf_row("perf_bf16_compile_chunked", "bf16 + --torch_compile + fused AdamW + --chunked_cross_entropy"),
-        perf_row("perf_long_none", "long context: bf16 + --chunked_cross_entropy (full logits on a torch without "
-                 "F.linear_cross_entropy), no checkpointing"),
+        perf_row("perf_long_none", "long context: bf16 + --chunked_cross_entropy (checkpointed chunks on a torch "
+                 "without F.linear_cross_entropy), no checkpointing"),
         perf_row("perf_long_every2", "long context: the same + --selective_ac_option 2 (every 2nd layer)"),
         perf_row("perf_long_op", "long context: the same + --selective_ac_option op (matmul outputs kept)"),
         perf_row("perf_long_full", "long context: the same + --gradient_checkpointing (every layer)"),

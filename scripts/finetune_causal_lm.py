@@ -64,7 +64,7 @@ from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
-from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
+from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.liger import add_liger_args, check_liger_kernel, use_liger_kernel  # feature: liger kernel
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
@@ -135,7 +135,9 @@ def main() -> None:
     extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
     extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
-    status = train(args, config, accelerator, resume_from, extras)
+    training = train
+    training = stop_on_full_disk(training, args.output_dir, extras)  # feature: full disk
+    status = training(args, config, accelerator, resume_from, extras)
     wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)
     sys.exit(status)

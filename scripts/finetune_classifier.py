@@ -62,7 +62,7 @@ from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
-from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
+from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, export_adapter, export_merged_model, frozen_base_left_out)  # feature: lora
@@ -133,10 +133,9 @@ def main() -> None:
     extras.state_kwargs = partial(frozen_base_left_out, accelerator)  # feature: lora
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
     progress = track_progress(accelerator)  # registered once: every auto-batch-size attempt restarts it at 0
-    if args.auto_find_batch_size:
-        status = train_with_largest_batch(args, config, accelerator, progress, resume_from, extras)
-    else:
-        status = train(args, config, accelerator, progress, resume_from, extras)
+    training = train_with_largest_batch if args.auto_find_batch_size else train
+    training = stop_on_full_disk(training, args.output_dir, extras)  # feature: full disk
+    status = training(args, config, accelerator, progress, resume_from, extras)
     wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)
     sys.exit(status)

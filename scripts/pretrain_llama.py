@@ -53,7 +53,7 @@ from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
-from common.features.disk import explain_full_disk, stop_if_disk_full  # feature: full disk
+from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.liger import (add_liger_args, check_liger_kernel, undo_liger_kernel,
                                    use_liger_kernel)  # feature: liger kernel
@@ -125,7 +125,9 @@ def main() -> None:
     extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
     # None: a fresh start (with checksums: every file of the checkpoint is checked first).
     resume_from = find_checkpoint_to_resume(args.output_dir, args.resume_from_checkpoint, accelerator, extras.verify)
-    status = train(args, config, accelerator, resume_from, extras)
+    training = train
+    training = stop_on_full_disk(training, args.output_dir, extras)  # feature: full disk
+    status = training(args, config, accelerator, resume_from, extras)
     wait_for_checkpoint(extras)  # feature: async checkpoint
     finish(accelerator)  # after train() has returned: its model is gone
     sys.exit(status)

@@ -232,6 +232,26 @@ def test_a_run_that_changes_nothing_leaves_the_lock_file_as_it_found_it(tmp_path
     assert lock_and_then(tmp_path / "new", "bad input").returncode == 2 and not (tmp_path / "new").exists()
 
 
+def test_a_full_disk_under_metrics_jsonl_is_one_line(corpus, tmp_path):
+    """A real full disk (an 8 KiB tmpfs: the lock file and one page of rows) when a row is appended: that was the
+    metrics writer's traceback. Now one line naming the file, status 2 (no checkpoint: the line says to start over)."""
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "pretrain_llama.py"), "--train_file", corpus["train"],
+           "--validation_file", corpus["validation"], "--tokenizer_vocab_size", "300", "--block_size", "64",
+           "--per_device_train_batch_size", "4", "--max_steps", "60", "--logging_steps", "1",
+           "--sample_max_new_tokens", "0", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(out)]
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           'mount -t tmpfs -o size=8k tmpfs "$0" && "$@"', str(out), *cmd], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: disk full: {out}/metrics.jsonl could not be written (filesystem {out}, 0 MiB free): free some space, "
+        "then rerun with --overwrite_output_dir (there is no checkpoint to resume)")
+
+
 # ---- a model folder that cannot load: one line before any data is read --------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
@@ -342,6 +362,35 @@ def test_the_base_fingerprint_tells_a_base_edited_in_the_middle(tiny_model, tmp_
     assert _differs("base_model", original, changed, False) and not _differs("base_model", original, moved, False)
     old_record = {k: v for k, v in original.items() if k != "weights_xxh3_64"}
     assert not _differs("base_model", old_record, moved, False)
+
+
+def test_a_base_saved_again_is_refused_naming_the_file_that_differs(tiny_model, tmp_path):
+    """The same weights saved again (equal tensors, other bytes: here a metadata entry) are refused, as a byte-for-byte
+    check must: the line said "whose weights differ", which read as wrong numbers. It names the file and how."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from common.features.resume_guard import _difference, _differs, base_model_fingerprint
+
+    resaved = tmp_path / "resaved"
+    resaved.mkdir()
+    for name in os.listdir(tiny_model):
+        if name != "model.safetensors":
+            (resaved / name).write_bytes(open(os.path.join(tiny_model, name), "rb").read())
+    tensors = load_file(os.path.join(tiny_model, "model.safetensors"))
+    save_file(tensors, resaved / "model.safetensors", metadata={"format": "pt", "saved_by": "another tool"})
+    assert all(torch.equal(tensors[k], v) for k, v in load_file(resaved / "model.safetensors").items())
+    saved, current = base_model_fingerprint(tiny_model, None), base_model_fingerprint(str(resaved), None)
+    old_size, new_size = (os.path.getsize(os.path.join(p, "model.safetensors")) for p in (tiny_model, resaved))
+    assert _differs("base_model", saved, current, False) and old_size != new_size
+    assert _difference("base_model", saved, current, "ckpt") == (
+        f"the checkpoint was trained from --model_name_or_path {tiny_model}, this run from --model_name_or_path "
+        f"{resaved}, whose weight files differ byte for byte (model.safetensors has {new_size:,} bytes, not "
+        f"{old_size:,}; the same weights saved again differ too); resume with the checkpoint's base model")
+    os.rename(resaved / "model.safetensors", resaved / "model-00001-of-00001.safetensors")
+    renamed = base_model_fingerprint(str(resaved), None)
+    assert "(model-00001-of-00001.safetensors is not in the checkpoint's base; model.safetensors is missing;" in \
+        _difference("base_model", saved, renamed, "ckpt")
 
 
 # ---- the tools: each misuse is one line -------------------------------------------------------------------------

@@ -16,7 +16,8 @@ ours, the textbook loop, transformers' Trainer (the Liger row is CUDA only), the
 8B adapter rows are left out (perf_lora_8b runs in the full dry run). Each row's result must be on disk before the
 next row ends, and the peer rows' ratios must be their step times' quotients. Two long-context rows run as on the
 lent machine's torch 2.11, which has no F.linear_cross_entropy (the suite's process has it removed before it starts):
-they must train with full logits and say so.
+they must train with the chunked loss's checkpointed chunks and say so. Every memory row's detail carries its peak and
+tools/estimate_memory.py's estimate for its run.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def long_dry_run(tmp_path_factory):
     return proc, d
 
 
-def test_long_rows_fall_back_to_full_logits_without_the_chunked_loss(long_dry_run):
+def test_long_rows_use_checkpointed_chunks_without_f_linear_cross_entropy(long_dry_run):
     proc, d = long_dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)
@@ -276,7 +277,24 @@ def test_long_rows_fall_back_to_full_logits_without_the_chunked_loss(long_dry_ru
     assert sorted(runs) == ["long_full", "long_none"]  # no baseline among them
     for name, method in (("perf_long_none", "long_none"), ("perf_long_full", "long_full")):
         assert rows[name][0] == "PASS"
-        assert "full logits (torch " in rows[name][1] and "has no F.linear_cross_entropy" in rows[name][1]
-        assert "--chunked_cross_entropy" not in runs[method]["flags"] and "--bf16" in runs[method]["flags"]
+        assert "chunked loss (checkpointed chunks: torch " in rows[name][1]
+        assert "has no F.linear_cross_entropy" in rows[name][1]
+        assert "--chunked_cross_entropy" in runs[method]["flags"] and "--bf16" in runs[method]["flags"]
         assert math.isfinite(runs[method]["final_loss"]) and runs[method]["tokens_per_second"] > 0
-    assert next(r for r in record["rows"] if r["name"] == "perf_long_none")["detail"]["logits"] == "full"
+    details = {r["name"]: r["detail"] for r in record["rows"]}
+    assert details["perf_long_none"]["logits"] == "chunked"
+    assert_memory_figures(details, ("perf_long_none", "perf_long_full"))
+    # the estimate is the one function's, for the row's run: no checkpointing holds more than checkpointing
+    assert details["perf_long_none"]["estimate_bytes"] > details["perf_long_full"]["estimate_bytes"]
+
+
+def assert_memory_figures(details: dict, names: tuple[str, ...]) -> None:
+    """Each memory row's detail: its measured peak and tools/estimate_memory.py's peak_memory for its run."""
+    for name in names:
+        assert details[name]["peak_memory_bytes"] > 0 and details[name]["estimate_bytes"] > 0, (name, details[name])
+
+
+def test_memory_rows_carry_their_peak_and_the_estimate(dry_run):
+    _, d = dry_run
+    record = json.loads(next((d / "out").glob("gpu-suite-dry-run-*.json")).read_text())
+    assert_memory_figures({r["name"]: r["detail"] for r in record["rows"]}, ("perf_lora_8b", "perf_long_op"))

@@ -510,8 +510,9 @@ def test_resume_onto_another_base_model_is_refused(lora_run, data, tmp_path):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and errors == [
             f"error: --resume_from_checkpoint {checkpoint}: the checkpoint was trained from --model_name_or_path "
-            f"{data['model']}, this run from --model_name_or_path {other}, whose weights differ; resume with the "
-            "checkpoint's base model"], proc.stderr[-3000:]
+            f"{data['model']}, this run from --model_name_or_path {other}, whose weight files differ byte for byte "
+            "(model.safetensors holds other bytes (same size); the same weights saved again differ too); resume with "
+            "the checkpoint's base model"], proc.stderr[-3000:]
         assert "training examples" not in proc.stderr + proc.stdout and not (tmp_path / "resumed").exists()
     from common.features.resume_guard import base_model_fingerprint, check_run_record
 

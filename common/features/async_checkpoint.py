@@ -231,6 +231,15 @@ class BackgroundCheckpoints:
                            f"{intact[-1] + ' is intact' if intact else 'there is no earlier checkpoint'}: rerun with "
                            "--resume_from_checkpoint auto")
 
+    def settle(self) -> tuple[str, int] | None:
+        """This process alone, when the run stops on another error: let the save in flight finish; its partial
+        folder and step when it was not published (None: nothing in flight, or published)."""
+        save, self.in_flight = self.in_flight, None
+        if save is None:
+            return None
+        save.thread.join()
+        return (save.partial, save.step) if os.path.isdir(save.partial) or not os.path.isdir(save.path) else None
+
 
 def write_states(partial: str, staged: dict, on_each_node: bool, safe_serialization: bool) -> None:
     """The weights and optimizer files `save_state` writes (accelerate 1.15's names), from the staged copies."""

@@ -1,20 +1,23 @@
 """A full disk: telling it from other write errors, and the one line that says so (where, how much is free, which
-checkpoint is intact, how to continue)."""
+checkpoint is intact, how to continue): for checkpoints and exports where they are written, for every other write of
+a run (metrics.jsonl, all_results.json, the trackers' files) around the recipe's `train`."""
 
 from __future__ import annotations
 
 import errno
 import functools
+import io
 import os
 import re
 import shutil
 from collections.abc import Callable
 
-from common.checkpoint import complete_checkpoints
+from common.checkpoint import CheckpointExtras, complete_checkpoints
 from common.errors import fail
 from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a place the run may not write
 
 
 def disk_refuses_writes(exc: BaseException, folder: str) -> bool:
@@ -88,3 +91,66 @@ def export_disk_full_message(exc: BaseException, partial: str) -> str | None:
     return (f"disk full: the model could not be exported to {target} (filesystem {mount_point(output_dir)}, "
             f"{free_mib:.0f} MiB free after removing the partial export; nothing of it was left): free some space, "
             f"then {then}")
+
+
+def stop_on_full_disk(train: Callable[..., int], output_dir: str, extras: CheckpointExtras) -> Callable[..., int]:
+    """`train` (the recipe's run), where a write that finds the disk full or its place unwritable stops the run with
+    one line naming the file and what is intact, exit status 2. A checkpoint being written in the background then is
+    waited for (this process's part): unpublished, its partial folder is removed and the line is the one a blocking
+    save gives, whichever write met the full disk first."""
+    @functools.wraps(train)
+    def guarded(*args, **kwargs) -> int:
+        try:
+            return train(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - Rust libraries raise a bare Exception "... (os error 28)"
+            number = refused_write_errno(exc)
+            if number is None:
+                raise
+            settle = getattr(extras.save, "settle", None)  # an asynchronous checkpoint's (--async_checkpointing)
+            unpublished = settle() if settle else None
+            if unpublished:
+                partial, step = unpublished
+                shutil.rmtree(partial, ignore_errors=True)
+                if number in DISK_FULL_ERRNOS:
+                    fail(disk_full_message(output_dir, step, complete_checkpoints(output_dir)))
+            fail(unwritten_message(written_file(exc) or output_dir, number, output_dir))
+    return guarded
+
+
+def refused_write_errno(exc: BaseException | None) -> int | None:
+    """The errno of a full disk or an unwritable place anywhere in the exception's chain, else None."""
+    while exc is not None:
+        number = exc.errno if isinstance(exc, OSError) else None
+        rust = re.search(r"\(os error (\d+)\)", str(exc)) if number is None else None
+        number = int(rust.group(1)) if rust else number
+        if number in DISK_FULL_ERRNOS + UNWRITABLE_ERRNOS:
+            return number
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def written_file(exc: BaseException) -> str | None:
+    """The file a failed write was writing: the error's filename, else the file object open in the innermost frame of
+    the traceback that holds one (Python reports a failed write or flush without the file's name)."""
+    if getattr(exc, "filename", None):
+        return str(exc.filename)
+    found, frame = None, exc.__traceback__
+    while frame is not None:
+        for value in frame.tb_frame.f_locals.values():
+            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), str):
+                found = value.name
+        frame = frame.tb_next
+    return found
+
+
+def unwritten_message(path: str, number: int, output_dir: str) -> str:
+    """The one line for a write outside checkpoints and exports that failed (`number`: its errno)."""
+    checkpoints = complete_checkpoints(output_dir)
+    then = (f"rerun with --resume_from_checkpoint auto ({checkpoints[-1]} is intact)" if checkpoints else
+            "rerun with --overwrite_output_dir (there is no checkpoint to resume)")
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if number in DISK_FULL_ERRNOS:
+        free_mib = shutil.disk_usage(folder).free / 2**20
+        return (f"disk full: {path} could not be written (filesystem {mount_point(folder)}, {free_mib:.0f} MiB free): "
+                f"free some space, then {then}")
+    return f"{path} could not be written ({os.strerror(number)}): make it writable, then {then}"

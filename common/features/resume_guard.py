@@ -221,6 +221,34 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
     return saved != current
 
 
+def base_difference(saved: dict | None, current: dict | None) -> str:
+    """What differs between two bases: the weight files by name, size or bytes (the check is byte for byte: the same
+    weights saved again in another layout differ too), or the hub revision."""
+    if not (saved and current):
+        return "whose weights differ"
+    for key in ("weights_xxh3_64", "weights"):
+        old, new = saved.get(key), current.get(key)
+        if old and new and old != new:
+            files = [file_difference(name, old, new) for name in sorted(set(old) | set(new))
+                     if old.get(name) != new.get(name)]
+            return (f"whose weight files differ byte for byte ({'; '.join(files)}; the same weights saved again "
+                    "differ too)")
+    if saved.get("revision") != current.get("revision"):
+        return f"whose hub revision differs ({current.get('revision')}, not {saved.get('revision')})"
+    return "whose weights differ"
+
+
+def file_difference(name: str, old: dict, new: dict) -> str:
+    """How weight file `name` differs between two bases' records (name -> [bytes, checksum])."""
+    if name not in new:
+        return f"{name} is missing"
+    if name not in old:
+        return f"{name} is not in the checkpoint's base"
+    if new[name][0] != old[name][0]:
+        return f"{name} has {new[name][0]:,} bytes, not {old[name][0]:,}"
+    return f"{name} holds other bytes (same size)"
+
+
 def _difference(key: str, saved, current, path: str, batches: tuple = (None, None)) -> str:
     """The one-line explanation of a field that differs (`batches`: the checkpoint's and this run's global batch)."""
     if key == "global_batch":
@@ -259,8 +287,8 @@ def _difference(key: str, saved, current, path: str, batches: tuple = (None, Non
     if key == "base_model":
         def base(b):
             return f"--model_name_or_path {b['name']}" if b else "a model built from the seed"
-        return (f"the checkpoint was trained from {base(saved)}, this run from {base(current)}, whose weights differ; "
-                "resume with the checkpoint's base model")
+        return (f"the checkpoint was trained from {base(saved)}, this run from {base(current)}, "
+                f"{base_difference(saved, current)}; resume with the checkpoint's base model")
     if key == "script":
         return f"the checkpoint was written by {saved}, not by {current}"
     if key == "optim":
