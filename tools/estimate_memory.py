@@ -191,6 +191,9 @@ class Run:
     nested: bool = False
 
 
+MODEL_STATES = ("weights", "optimizer states", "gradients", "casts", "dequantized weight")  # peak_memory's, not activations
+
+
 def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
     """Bytes alive at a training step's peak, by category, and "total": the GPU suite's memory rows and this tool's
     per-run tables print this. The peak is the larger of two moments, measured on a CPU with torch's memory
@@ -309,13 +312,14 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({adapter_params / 1e6:.1f}M adapter "
              "parameters), per GPU holding the whole model (one GPU, DDP):", "",
              "| method | flags | frozen base | trained weights, gradients, AdamW "
-             "| the rest at the peak (plain / checkpointed) "
+             "| activations and logits at the peak (plain / checkpointed) "
              "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
     for method, flags, base, trained in adapter_options(shape, args.lora_r, args.use_bnb_nested_quant):
-        totals = [peak_memory(shape, Run(method, args.seq_len, args.micro_batch_size, mode,
-                                         args.chunked_cross_entropy, lora_r=args.lora_r,
-                                         nested=args.use_bnb_nested_quant))["total"] for mode in ("none", "full")]
-        acts = [total - base - trained for total in totals]  # what the peak holds besides the model states
+        peaks = [peak_memory(shape, Run(method, args.seq_len, args.micro_batch_size, mode, args.chunked_cross_entropy,
+                                        lora_r=args.lora_r, nested=args.use_bnb_nested_quant))
+                 for mode in ("none", "full")]
+        totals = [peak["total"] for peak in peaks]
+        acts = [peak["total"] - sum(peak.get(k, 0) for k in MODEL_STATES) for peak in peaks]
         verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
             totals[1], args.gpu_memory_gb * GB) else "no"
         lines.append(f"| {method} | {'`' + flags + '`' if flags else ''} | {base / GB:.1f} GB | {trained / GB:.2f} GB "
