@@ -392,3 +392,31 @@ def test_deepspeed_skips_the_nonfinite_step_itself(one_bad_block, one_skipped_st
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, ddp_rows) if a["loss"] is not None]
     assert len(diffs) == 10 and max(diffs) <= 1e-5
     print(f"ZeRO-2 skipped the same step; losses equal the DDP run's within {max(diffs):.1e}")
+
+
+def late_skip_run(data, out, config: str) -> list[dict]:
+    """The one-bad-block run of 11 steps on 2 processes, its figures read a step late (a row every 100 steps: only
+    the last step is read at once), nothing saved before the export."""
+    launch = [*launcher(config, 2), "--mixed_precision", "no"] if config == "fsdp2.yaml" else launcher(config, 2)
+    run_script("pretrain_llama.py", "--model_name_or_path", data["model"], "--train_file", data["train"],
+               "--validation_file", data["validation"], "--block_size", "64", "--output_dir", str(out),
+               "--num_train_epochs", "1", "--logging_steps", "100", "--per_device_train_batch_size", "2",
+               "--mixed_precision", "no", "--sample_max_new_tokens", "0", launcher=launch)
+    return [r for r in read_metrics(str(out)) if "loss" in r]
+
+
+@pytest.mark.parametrize("config", ["cpu_2proc.yaml", "fsdp2.yaml"])
+def test_a_step_skipped_on_the_device_and_read_late_trains_as_one_read_at_once(one_bad_block, one_skipped_step,
+                                                                               config, tmp_path):
+    """Fused AdamW skips the NaN step on the device and the host learns it a step later (its schedule step taken
+    back then): the run ends with the weights of the run that read every step at once (DDP: bit for bit; FSDP2:
+    its own rounding), and counts the one skipped step."""
+    from test_fsdp import weight_difference
+
+    out, _ = one_skipped_step
+    rows = late_skip_run(one_bad_block, tmp_path / "late", config)
+    assert [r["step"] for r in rows] == [11] and rows[0]["skipped_nonfinite_steps"] == 1
+    difference = weight_difference(tmp_path / "late", out)
+    assert difference == 0.0 if config == "cpu_2proc.yaml" else difference <= 1e-5, difference
+    print(f"{config}: the NaN step skipped on the device, read a step late; weights {difference:.1e} from the run "
+          "that read each step at once")
