@@ -350,7 +350,8 @@ def build_model(args, config, accelerator, vocab_size: int):
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "CAUSAL_LM")
     if args.torch_compile:  # feature: torch compile
-        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode,
+                      lengths_vary=not args.packing)
     return model
 
 

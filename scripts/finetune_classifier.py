@@ -344,7 +344,8 @@ def build_classifier(args, accelerator, label_names: list[str]):
     if args.use_peft:  # feature: lora
         model = add_adapter(args, accelerator, model, "SEQ_CLS")
     if args.torch_compile:  # feature: torch compile
-        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode,
+                      lengths_vary=True)
     return model, head
 
 

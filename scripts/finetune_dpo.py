@@ -450,7 +450,8 @@ def build_model(args, config, accelerator, vocab_size: int):
     if not args.keep_dropout:
         disable_dropout(model)
     if args.torch_compile:  # feature: torch compile
-        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
+        compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode,
+                      lengths_vary=True)
     return model
 
 

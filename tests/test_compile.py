@@ -16,6 +16,7 @@ from conftest import copy_checkpoints, launcher, read_metrics, run_script
 from test_distributed import assert_same_training, init_model, reference, train_args  # noqa: F401  (fixtures)
 from test_finetune_causal_lm import finetune, max_difference, sft, weights  # noqa: F401  (fixtures)
 from test_finetune_classifier import classify, tiny  # noqa: F401  (fixture)
+from test_finetune_dpo import dpo, train_dpo  # noqa: F401  (fixture)
 
 from common.features.compile import compile_model
 
@@ -26,10 +27,10 @@ TRACE_ONLY = ("--torch_compile", "--torch_compile_backend", "aot_eager")
 GRAPH_BOUND = 5
 
 
-def compile_results(out) -> dict:
+def compile_results(out, fallbacks: bool = False) -> dict:
     with open(f"{out}/all_results.json") as f:
         results = json.load(f)
-    return {key: results.get(key) for key in ("compiled_graphs", "graph_breaks")}
+    return {key: results.get(key) for key in ("compiled_graphs", "graph_breaks") + ("compile_fallbacks",) * fallbacks}
 
 
 def test_regional_compilation_trains_as_eager_and_compiles_two_graphs(corpus, init_model, reference, tmp_path):  # noqa: F811
@@ -146,3 +147,78 @@ def test_zero3_is_refused_in_one_line(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             check_compile_flags(args)
         assert capsys.readouterr().err.startswith("error: --torch_compile under DeepSpeed ZeRO-3:")
+
+
+# LoRA: a frozen embedding (the first layer's input needs no gradient, the others' do), a reference pass through the
+# disabled adapter (DPO), evaluation without gradients. Before: SFT 7 graphs, DPO 8 and torch's recompile limit
+# (the layers then ran eagerly, silently). Padded recipes compile symbolic shapes from the first graph.
+LORA_GRAPH_BOUND = 4
+
+
+def adapter(out: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{out}/adapter_model.safetensors")
+
+
+def test_sft_lora_compiles_once_per_state(sft, tmp_path):  # noqa: F811
+    """A whole epoch of LoRA SFT on uneven lengths with evaluations: at most LORA_GRAPH_BOUND graphs, no fallback to
+    eager, and the eager LoRA run's weights."""
+    epoch = ("--max_steps", "-1", "--num_train_epochs", "1", "--per_device_train_batch_size", "3", "--eval_steps", "5",
+             "--per_device_eval_batch_size", "5", "--use_peft")
+    compiled = finetune(sft, str(tmp_path / "compiled"), *epoch, *TRACE_ONLY)
+    eager = finetune(sft, str(tmp_path / "eager"), *epoch)
+    counts = compile_results(compiled, fallbacks=True)
+    print(f"SFT LoRA, one epoch with evaluations: {counts}")
+    assert counts["compiled_graphs"] <= LORA_GRAPH_BOUND and counts["graph_breaks"] == counts["compile_fallbacks"] == 0
+    assert max_difference(adapter(compiled), adapter(eager)) <= 1e-5
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_dpo_lora_compiles_once_per_state(dpo, tmp_path, checkpointing):  # noqa: F811
+    """LoRA DPO (the reference: the disabled adapter, without gradients) over an epoch with evaluations: at most
+    LORA_GRAPH_BOUND graphs, no fallback, and the eager run's adapter."""
+    epoch = ("--max_steps", "-1", "--num_train_epochs", "1", "--per_device_train_batch_size", "2", "--eval_steps", "4",
+             "--per_device_eval_batch_size", "3", "--use_peft", *(["--gradient_checkpointing"] * checkpointing))
+    compiled = train_dpo(dpo, str(tmp_path / "compiled"), *epoch, *TRACE_ONLY)
+    counts = compile_results(compiled, fallbacks=True)
+    print(f"DPO LoRA{' + checkpointing' * checkpointing}, one epoch with evaluations: {counts}")
+    assert counts["compiled_graphs"] <= LORA_GRAPH_BOUND and counts["graph_breaks"] == counts["compile_fallbacks"] == 0
+    if not checkpointing:
+        eager = train_dpo(dpo, str(tmp_path / "eager"), *epoch)
+        assert max_difference(adapter(compiled), adapter(eager)) <= 1e-5
+
+
+def test_a_fallback_to_eager_is_said_and_counted(monkeypatch, caplog):
+    """torch says it once in its own log; the run's log says it as a warning and all_results.json counts it."""
+    import logging
+
+    from accelerate import PartialState
+
+    from common.features.compile import compile_counts
+
+    PartialState(cpu=True)  # the run's logger needs accelerate's state, as in a recipe
+
+    class Block(torch.nn.Module):  # not torch's own: dynamo does not trace into torch.nn's modules
+        def forward(self, x):
+            return x * 2
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    model = Model()
+    compile_model(model, False, "eager", None)
+    before = compile_counts()["compile_fallbacks"]
+    with caplog.at_level(logging.WARNING):
+        for rows in (2, 3, 5):  # a static shape, then a symbolic one: past a limit of 1
+            model(torch.ones(rows, 4))
+    assert compile_counts()["compile_fallbacks"] > before
+    assert any("runs EAGERLY" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    torch._dynamo.reset()

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 import torch
+from accelerate.logging import get_logger
 
 from common.errors import fail
+
+logger = get_logger(__name__)
 
 
 def add_compile_args(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +52,8 @@ def deepspeed_zero_stage() -> int | None:
         return None  # no readable JSON: common/features/deepspeed_check.py names the problem
 
 
-def compile_model(model: torch.nn.Module, whole_model: bool, backend: str, mode: str | None) -> None:
+def compile_model(model: torch.nn.Module, whole_model: bool, backend: str, mode: str | None,
+                  lengths_vary: bool = False) -> None:
     """Compile in place, before `accelerator.prepare` (nn.Module.compile: the state dict keeps its keys, and hooks
     that DDP, DeepSpeed or FSDP2 add later still run, as accelerate's own DeepSpeed and FSDP2 paths rely on).
 
@@ -61,6 +66,9 @@ def compile_model(model: torch.nn.Module, whole_model: bool, backend: str, mode:
     Shapes: torch's automatic dynamic shapes (`dynamic=None`, not accelerate's launcher default, which exports
     ACCELERATE_DYNAMO_USE_DYNAMIC=False: with it every new sequence length compiled again). A dimension is compiled
     static; the first time it changes it is compiled once more as a symbol, which every later length reuses.
+    `lengths_vary` (padded batches: SFT, DPO, classification): symbolic from the first graph (`dynamic=True`), which
+    saves that static graph in each state a layer runs in (training, evaluation, DPO's reference): a LoRA DPO run
+    has three, and twice three passed torch's recompile limit of 8 once a batch of another size came.
     """
     if whole_model:
         model.compile(backend=backend, mode=mode)
@@ -72,8 +80,42 @@ def compile_model(model: torch.nn.Module, whole_model: bool, backend: str, mode:
     if not blocks:
         fail(f"--torch_compile: {type(model).__name__} has no repeated blocks to compile one at a time; add "
              "--torch_compile_whole_model")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()) and \
+            any(p.requires_grad for block in blocks for p in block.parameters()):
+        # A frozen embedding (LoRA, --freeze_embeddings) hands the first block an input that needs no gradient, the
+        # others one that does: dynamo guards on it and compiles every graph twice. One kind of input for all.
+        embeddings.register_forward_hook(_needs_grad_where_grad_is_on)
     for block in blocks:
-        block.compile(backend=backend, mode=mode)
+        block.compile(backend=backend, mode=mode, dynamic=True if lengths_vary else None)
+    warn_if_compiled_code_falls_back()
+
+
+def _needs_grad_where_grad_is_on(module, inputs, output: torch.Tensor) -> None:
+    # Without gradients (evaluation, a reference pass) no block's input needs one: undone after transformers' and
+    # peft's own hook (set with checkpointing), which asks for it always. Registered last, this hook runs last.
+    output.requires_grad_(torch.is_grad_enabled())
+
+
+_fallbacks: list[str] = []  # torch's warnings that a compiled function passed its recompile limit
+
+
+class _FallbackWarning(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "hit config." in message and "recompile_limit" in message:
+            _fallbacks.append(message)
+            logger.warning("--torch_compile: a compiled layer passed torch's recompile limit and runs EAGERLY (slower) "
+                           "from now on; all_results.json counts it (compile_fallbacks). torch said: "
+                           + " | ".join(line.strip() for line in message.splitlines()[:3]))
+
+
+def warn_if_compiled_code_falls_back() -> None:
+    """dynamo says it only once, in torch's log, when a function's graphs pass its recompile limit (8) and the
+    function then runs eagerly for good: repeat it in the run's log, and count it for all_results.json."""
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(h, _FallbackWarning) for h in dynamo_log.handlers):
+        dynamo_log.addHandler(_FallbackWarning())
 
 
 def compile_counts() -> dict[str, int]:
@@ -82,4 +124,4 @@ def compile_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {"compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values())}
+            "graph_breaks": sum(counters["graph_break"].values()), "compile_fallbacks": len(_fallbacks)}
