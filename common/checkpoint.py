@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from accelerate import Accelerator
@@ -23,7 +24,6 @@ from accelerate.logging import get_logger
 
 from common.errors import fail, fail_on_every_rank
 from common.metrics import count_rows
-from common.optim import keep_this_runs_hyperparameters
 from common.output_dir import discard, fsync_path
 from common.paths import CHECKPOINT_DIR, COMPLETE_MARKER, LEFTOVER_PREFIX, METRICS_FILE, RUN_RECORD
 from common.steps import TrainingProgress
@@ -42,6 +42,7 @@ class CheckpointExtras:
     # Called with a failed save's exception, partial folder and step: may remove it and stop in one line (full disk).
     explain_failed_save: Callable[[BaseException, str, int], None] | None = None
     state_kwargs: Callable[[bool], dict] | None = None  # save_state / load_state (True) arguments
+    keep: Callable[[Accelerator], AbstractContextManager] | None = None  # around the restore: what of this run stays
     save: Callable[..., str | None] | None = None  # saves instead of `save_checkpoint` (its arguments and result)
 
     def kwargs(self, loading: bool) -> dict:
@@ -59,14 +60,14 @@ def resume(accelerator: Accelerator, path: str | None, progress: TrainingProgres
     """Restore model, optimizer, scheduler, RNG and `progress` from a checkpoint folder (nothing when `path` is None).
 
     `path` comes from `find_checkpoint_to_resume`. The weights, the optimizer's moments, the schedule's step and the
-    RNG come from the checkpoint; the learning rate, schedule and optimizer settings from this run's flags
-    (common/optim.py).
+    RNG come from the checkpoint; with the resume guard, the learning rate, schedule and optimizer settings from this
+    run's flags (`extras.keep`).
     """
     extras = extras or CheckpointExtras()
     if path:
         if extras.check:
             extras.check(path)
-        with keep_this_runs_hyperparameters(accelerator):
+        with extras.keep(accelerator) if extras.keep else nullcontext():
             accelerator.load_state(path, **extras.kwargs(loading=True))
         # accelerate restores its micro-step counter, which sets the sync points of `accumulate`, from the checkpoint
         # (and only on ranks that wrote one): count it afresh in this run's accumulation steps, on every rank.

@@ -1,17 +1,14 @@
-"""Optimizer factory (torch, bitsandbytes 8-bit, Adafactor, DeepSpeed placeholders), the LR schedule, and what a
-resume keeps of them: the checkpoint's moments and step, this run's hyperparameters."""
+"""Optimizer factory (torch, bitsandbytes 8-bit, Adafactor, DeepSpeed placeholders) and the LR schedule, counted in
+optimizer steps."""
 
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from common.flags import check_warmup
-from common.upstream import prepared_optimizers_and_schedulers, set_last_lr
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -81,38 +78,3 @@ def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, a
     if isinstance(optimizer, DummyOptim):  # the optimizer only exists inside DeepSpeed: build the schedule there
         return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=schedule)
     return optimizer, schedule(optimizer)
-
-
-# Optimizer settings that `load_state_dict` restores from a checkpoint along with the moments; a resume puts back the
-# values this run's flags gave (--weight_decay, --adam_beta1/2, --adam_epsilon; initial_lr is --learning_rate).
-FLAG_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr")
-
-
-@contextmanager
-def keep_this_runs_hyperparameters(accelerator):
-    """Around `accelerator.load_state`: what the flags set survives the restore; the state is the checkpoint's. A
-    checkpoint restores the optimizer's moments and step and the schedule's step, but also its settings: each
-    parameter group's weight decay, betas and eps, the schedule's peak learning rate (`base_lrs`) and, under
-    DeepSpeed ZeRO-1/2, the gradient clipping. Left so, a resume with a new --learning_rate or --weight_decay would
-    train with the old values without a word. Here they are taken before the restore (the optimizer and schedule were
-    just built from the flags) and put back after it, and each group's current learning rate is recomputed from this
-    run's schedule at the checkpoint's step: the schedule's shape (type, warmup, length) is always this run's, since
-    a checkpoint does not hold it. Unchanged flags give the same values, bit for bit.
-    """
-    optimizers, schedulers = prepared_optimizers_and_schedulers(accelerator)
-    settings = [[{k: group[k] for k in FLAG_SETTINGS if k in group} for group in o.param_groups] for o in optimizers]
-    clipping = [getattr(o, "clip_grad", None) for o in optimizers]  # DeepSpeed ZeRO-1/2 restore it
-    peaks = [list(s.base_lrs) if isinstance(s, LambdaLR) else None for s in schedulers]
-    yield
-    for optimizer, groups, clip in zip(optimizers, settings, clipping):
-        for group, values in zip(optimizer.param_groups, groups):
-            group.update(values)
-        if clip is not None:
-            optimizer.clip_grad = clip
-    for scheduler, peak in zip(schedulers, peaks):
-        if peak is not None:  # this run's schedule at the checkpoint's step, from this run's peak
-            scheduler.base_lrs = peak
-            lrs = [base * lmbda(scheduler.last_epoch) for lmbda, base in zip(scheduler.lr_lambdas, peak)]
-            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            set_last_lr(scheduler, lrs)

@@ -12,33 +12,25 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (
     DataLoaderConfiguration,
-    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     ProjectConfiguration,
     set_seed,
 )
 
-from common.errors import fail, fail_on_every_rank
-from common.upstream import use_fsdp_everywhere
 
 logger = get_logger(__name__)
 
 
 def build_accelerator(args: argparse.Namespace) -> Accelerator:
     """One Accelerator for every launch: plain python, `accelerate launch` (1..N processes), DeepSpeed, FSDP. Without
-    CUDA three traps are avoided (measured, see docs/techniques.md "CPU runs"):
-    - DDP launched without `cpu=True` starts N *unsynchronised* processes without any error;
-    - DeepSpeed needs the gloo backend named explicitly, and `cpu=True` would silently turn DeepSpeed off;
-    - FSDP with `cpu=True` quietly becomes plain DDP: the state is switched to FSDP2 after the fact.
+    CUDA two traps are avoided (measured, see docs/techniques.md "CPU runs"): DDP launched without `cpu=True` starts N
+    *unsynchronised* processes without any error; DeepSpeed needs the gloo backend named explicitly, and `cpu=True`
+    would silently turn DeepSpeed off. (FSDP with `cpu=True` becoming plain DDP: common/features/fsdp_on_cpu.py.)
     """
     extra, backend = {}, None
-    fsdp_on_cpu = False
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn while guessing it
-        fsdp_on_cpu = launched_with_fsdp()
-        if fsdp_on_cpu and os.environ.get("FSDP_VERSION", "1") != "2":
-            fail("FSDP on CPU needs FSDP2 (fsdp_version: 2, as in accelerate_configs/fsdp2.yaml); FSDP1 needs CUDA")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             backend = "gloo"
         else:
@@ -61,8 +53,6 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs")),
         **extra,
     )
-    if fsdp_on_cpu:
-        shard_with_fsdp2_on_cpu(accelerator)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
     if not accelerator.is_local_main_process:
@@ -85,24 +75,3 @@ def process_group_kwargs(timeout_seconds: float, backend: str | None = None) -> 
     if timeout == InitProcessGroupKwargs().timeout:
         timeout += timedelta(microseconds=1)
     return InitProcessGroupKwargs(timeout=timeout, **({"backend": backend} if backend else {}))
-
-
-def launched_with_fsdp() -> bool:
-    """`accelerate launch` with an FSDP config (or --use_fsdp) exports ACCELERATE_USE_FSDP=true."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def shard_with_fsdp2_on_cpu(accelerator: Accelerator) -> None:
-    """Make a CPU Accelerator (built with `cpu=True`: gloo) really use FSDP2, which accelerate 1.15 turns into DDP
-    there: an FSDP plugin from the launcher's FSDP_* variables, with the run's precision, and the state marked FSDP
-    (common/upstream.py). `prepare`, `save_state` and `get_state_dict` then take the FSDP paths, as on GPUs."""
-    plugin = FullyShardedDataParallelPlugin()
-    precision = accelerator.state.mixed_precision
-    if precision != "no":
-        plugin.set_mixed_precision(precision)
-    if precision == "fp8" and plugin.cpu_ram_efficient_loading:
-        # accelerate refuses this pair on GPUs (its check ran while the state was still MULTI_CPU): same answer here
-        fail_on_every_rank(accelerator, "fp8 (torchao) with FSDP2 cannot use cpu_ram_efficient_loading; use "
-                           "accelerate_configs/fsdp2_fp8.yaml")
-    accelerator.state.fsdp_plugin = plugin
-    use_fsdp_everywhere(accelerator)

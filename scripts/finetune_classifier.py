@@ -64,6 +64,7 @@ from common.features.divergence import (NonFiniteGuard, add_divergence_args, che
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.fsdp_on_cpu import use_fsdp2_on_cpu  # feature: fsdp2 on cpu
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, export_adapter, export_merged_model, frozen_base_left_out)  # feature: lora
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
@@ -125,6 +126,7 @@ def main() -> None:
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)
+    use_fsdp2_on_cpu(accelerator)  # feature: fsdp2 on cpu
     extras = CheckpointExtras()
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
@@ -237,7 +239,7 @@ def train(args, config, accelerator, progress: TrainingProgress, resume_from: st
           extras: CheckpointExtras) -> int:
     """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
     record = RunRecord(args, "finetune_classifier", accelerator, config, DATA_FLAGS, resume_from)  # feature: resume guard
-    extras.write, extras.check = record.write, record.check  # feature: resume guard
+    extras.write, extras.check, extras.keep = record.write, record.check, record.keep  # feature: resume guard
     lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
     run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps

@@ -73,6 +73,7 @@ from common.features.divergence import (NonFiniteGuard, add_divergence_args, che
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
+from common.features.fsdp_on_cpu import use_fsdp2_on_cpu  # feature: fsdp2 on cpu
 from common.features.liger import add_liger_args, check_liger_kernel, use_liger_kernel  # feature: liger kernel
 from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs, check_adapter_targets,
                                   check_peft_flags, check_vocab_size, export_adapter, export_and_merge,
@@ -139,6 +140,7 @@ def main() -> None:
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)
+    use_fsdp2_on_cpu(accelerator)  # feature: fsdp2 on cpu
     extras = CheckpointExtras()
     extras.save = save_in_background(args, accelerator)  # feature: async checkpoint
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
@@ -332,7 +334,7 @@ def disable_dropout(model) -> None:
 def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:
     """The whole run; returns the exit status (see scripts/pretrain_llama.py, whose loop this one follows)."""
     record = RunRecord(args, "finetune_dpo", accelerator, config, DATA_FLAGS, resume_from)  # feature: resume guard
-    extras.write, extras.check = record.write, record.check  # feature: resume guard
+    extras.write, extras.check, extras.keep = record.write, record.check, record.keep  # feature: resume guard
     lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
     run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps

@@ -141,13 +141,14 @@ def test_warmup_longer_than_an_epoch_based_run_is_one_line(tmp_path, corpus):
 
 def test_fsdp1_without_gpu_is_refused_not_silently_ddp(capsys, monkeypatch, tmp_path):
     """FSDP2 runs on CPU (tests/test_fsdp.py); FSDP1 would quietly become DDP there: one line."""
+    from common.features.fsdp_on_cpu import use_fsdp2_on_cpu
     from common.runtime import build_accelerator
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     args = pretrain.parse_args(["--output_dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit) as exc:
-        build_accelerator(args)
+        use_fsdp2_on_cpu(build_accelerator(args))
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().startswith("error: FSDP on CPU needs FSDP2")
 

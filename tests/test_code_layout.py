@@ -140,9 +140,8 @@ def test_every_flag_has_a_help_line(path, monkeypatch):
 
 CORE = sorted((ROOT / "common").glob("*.py"))  # the modules directly in common/
 TIERS = ("common.inputs", "common.features")
-# The core (common/*.py) holds what every loop needs and nothing optional, in at most 1,560 lines (1,500 until the step
-# check learnt to skip a non-finite step on the device and read its figures a step late: common/guard.py).
-CORE_MAX_LINES = 1560
+# The core (common/*.py) holds what every loop needs and nothing optional, in at most 1,500 lines.
+CORE_MAX_LINES = 1500
 
 
 def test_the_core_imports_no_tier_and_inputs_import_no_feature():

@@ -226,11 +226,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from common.lifecycle import finish
+from common.features.fsdp_on_cpu import use_fsdp2_on_cpu
 from common.runtime import build_accelerator
 spec = importlib.util.spec_from_file_location("pretrain_llama", f"{root}/scripts/pretrain_llama.py")
 pretrain = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pretrain)
 accelerator = build_accelerator(pretrain.parse_args(["--output_dir", output_dir]))
+use_fsdp2_on_cpu(accelerator)
 model = AutoModelForCausalLM.from_pretrained(init_model, dtype=torch.float32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)

@@ -347,7 +347,7 @@ def saved_at_step_3(tmp_path_factory):
 
 
 def resumed(values: dict, path: str):
-    from common.optim import keep_this_runs_hyperparameters
+    from common.features.resume_guard import keep_this_runs_hyperparameters
 
     accelerator, model, optimizer, scheduler = build(values, seed=1)  # other initial weights: the load replaces them
     with keep_this_runs_hyperparameters(accelerator):
@@ -407,7 +407,7 @@ def test_deepspeed_gradient_clipping_restored_from_a_checkpoint_is_put_back():
     checkpoint: a stand-in optimizer whose load does the same keeps this run's value."""
     from types import SimpleNamespace
 
-    from common.optim import keep_this_runs_hyperparameters
+    from common.features.resume_guard import keep_this_runs_hyperparameters
 
     zero = SimpleNamespace(clip_grad=0.5, param_groups=[{"weight_decay": 0.0, "lr": 1.0}])
     accelerator = SimpleNamespace(_optimizers=[SimpleNamespace(optimizer=zero)], _schedulers=[])

@@ -9,22 +9,25 @@ import hashlib
 import json
 import os
 import re
+from contextlib import contextmanager
 
 import xxhash
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
+from torch.optim.lr_scheduler import LambdaLR
 
 from common.errors import fail, fail_on_every_rank
 from common.paths import COMPLETE_MARKER, RUN_RECORD, TOKENIZER_DIR
+from common.upstream import prepared_optimizers_and_schedulers, set_last_lr
 
 logger = get_logger(__name__)
 # The flags of common/flags.py that decide which examples a run sees, cut how and in which order; each script adds
 # its own (`data_flags`).
 SHARED_DATA_FLAGS = ("dataset_name", "dataset_config_name", "text_column", "max_train_samples",
                      "validation_split_percentage", "max_seq_length", "group_by_length")
-# The flags a resume takes from this run although the checkpoint's state held them too (common/optim.py puts them back
-# after the restore): recorded to say, in one line, which ones a resume changes.
+# The flags a resume takes from this run although the checkpoint's state held them too (`keep_this_runs_hyperparameters`
+# puts them back after the restore): recorded to say, in one line, which ones a resume changes.
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
                    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")
 # The LoRA settings a checkpoint was trained with (common/features/lora.py): a resume must keep them.
@@ -87,6 +90,11 @@ class RunRecord:
     def check(self, path: str) -> None:
         """Before a resume loads `path`: stop with one line at the first field this run contradicts."""
         check_run_record(path, self.fields)
+
+    @staticmethod
+    def keep(accelerator: Accelerator):
+        """Around the restore (`CheckpointExtras.keep`): the flags' hyperparameters survive it."""
+        return keep_this_runs_hyperparameters(accelerator)
 
     def write(self, path: str) -> None:
         """Into a checkpoint folder (main process): run.json and the tokenizer."""
@@ -326,3 +334,38 @@ def check_resume_process_count(accelerator: Accelerator, checkpoint_dir: str | N
                            f"partitioned over {saved} processes but this run has {accelerator.num_processes}, and "
                            f"DeepSpeed cannot re-partition them: resume with --num_processes {saved}, or train with "
                            "accelerate_configs/fsdp2.yaml, whose checkpoints resume at any process count")
+
+
+# Optimizer settings that `load_state_dict` restores from a checkpoint along with the moments; a resume puts back the
+# values this run's flags gave (--weight_decay, --adam_beta1/2, --adam_epsilon; initial_lr is --learning_rate).
+FLAG_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr")
+
+
+@contextmanager
+def keep_this_runs_hyperparameters(accelerator):
+    """Around `accelerator.load_state`: what the flags set survives the restore; the state is the checkpoint's. A
+    checkpoint restores the optimizer's moments and step and the schedule's step, but also its settings: each
+    parameter group's weight decay, betas and eps, the schedule's peak learning rate (`base_lrs`) and, under
+    DeepSpeed ZeRO-1/2, the gradient clipping. Left so, a resume with a new --learning_rate or --weight_decay would
+    train with the old values without a word. Here they are taken before the restore (the optimizer and schedule were
+    just built from the flags) and put back after it, and each group's current learning rate is recomputed from this
+    run's schedule at the checkpoint's step: the schedule's shape (type, warmup, length) is always this run's, since
+    a checkpoint does not hold it. Unchanged flags give the same values, bit for bit.
+    """
+    optimizers, schedulers = prepared_optimizers_and_schedulers(accelerator)
+    settings = [[{k: group[k] for k in FLAG_SETTINGS if k in group} for group in o.param_groups] for o in optimizers]
+    clipping = [getattr(o, "clip_grad", None) for o in optimizers]  # DeepSpeed ZeRO-1/2 restore it
+    peaks = [list(s.base_lrs) if isinstance(s, LambdaLR) else None for s in schedulers]
+    yield
+    for optimizer, groups, clip in zip(optimizers, settings, clipping):
+        for group, values in zip(optimizer.param_groups, groups):
+            group.update(values)
+        if clip is not None:
+            optimizer.clip_grad = clip
+    for scheduler, peak in zip(schedulers, peaks):
+        if peak is not None:  # this run's schedule at the checkpoint's step, from this run's peak
+            scheduler.base_lrs = peak
+            lrs = [base * lmbda(scheduler.last_epoch) for lmbda, base in zip(scheduler.lr_lambdas, peak)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            set_last_lr(scheduler, lrs)
