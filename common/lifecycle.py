@@ -1,7 +1,6 @@
-"""The run's lifecycle in one place, in an order the code enforces: `RunLifecycle(...)` claims the output folder before
-any heavy work; `start()`, after `accelerator.prepare`, restores a checkpoint and is the only source of the step
-counter, step log and step check the loop needs (so they start at the restored step); `finish()` runs after the
-function that held the prepared model has returned."""
+"""The run's lifecycle, in an order the code enforces: `RunLifecycle(...)` claims the output folder before any heavy
+work; `start()`, after `accelerator.prepare`, restores a checkpoint and is the only source of the loop's step counter,
+step log and step check (so they start at the restored step); `finish()` after the model's function has returned."""
 
 from __future__ import annotations
 
@@ -47,7 +46,8 @@ class RunLifecycle:
             accelerator.init_trackers(project, config={k: v for k, v in config.items()
                                                        if isinstance(v, (int, float, str, bool))})
         log = StepLog(accelerator, self.output_dir, progress.step, total_steps, steps_per_epoch, logging_steps,
-                      flops_per_token=flops_per_token)
+                      flops_per_token=flops_per_token, window=progress.window)
+        progress.log_window = log.window_state  # the window not yet logged travels in every checkpoint
         return progress, log, StepGuard(accelerator, progress)
 
 

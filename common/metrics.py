@@ -119,7 +119,7 @@ class StepLog:
     """
 
     def __init__(self, accelerator, output_dir: str, start_step: int, total_steps: int, steps_per_epoch: int | None,
-                 logging_steps: int, flops_per_token: float | None = None) -> None:
+                 logging_steps: int, flops_per_token: float | None = None, window: torch.Tensor | None = None) -> None:
         self.accelerator, self.total_steps, self.steps_per_epoch = accelerator, total_steps, steps_per_epoch
         self.logging_steps, self.flops_per_token = logging_steps, flops_per_token
         self.output_dir = output_dir
@@ -132,12 +132,28 @@ class StepLog:
         self.last_row, self.row_extras = {}, dict  # row_extras(): a recipe's own figures for a row (collective)
         self.run_padding = self.run_positions = 0
         self._reset()
+        self.carried = self.restored = torch.zeros(0, dtype=torch.float64, device=accelerator.device)  # see `carry`
+        if window is not None:  # a resumed run's (`window_state`): the first process holds every process's sums
+            self.losses.copy_(window[:3])
+            self.restored = window[3:] * accelerator.is_main_process
+            self.padding, self.positions = self.padding + int(self.restored[0]), int(self.restored[1])
+            self.throughput.add(int(window[3]) - int(window[4]))  # tokens/s counts this run's tokens only
 
     def _reset(self) -> None:
         self.padding = torch.zeros((), dtype=torch.long, device=self.accelerator.device)
         # on the device: the window's finite-loss sum (float64, as Python sums floats), finite steps, skipped steps
         self.losses = torch.zeros(3, dtype=torch.float64, device=self.accelerator.device)
         self.positions = 0
+
+    def window_state(self) -> torch.Tensor:
+        """The window not yet logged, for a checkpoint, so that a resumed run logs the same rows (collective): its
+        losses (the same on every process), then its padding, positions and `carried` sums over all processes."""
+        own = torch.stack([self.padding, torch.full_like(self.padding, self.positions)]).double()  # exact counts
+        return torch.cat([self.losses, self.accelerator.reduce(torch.cat([own, self.carried]), "sum")]).cpu()
+
+    def carry(self, sums: torch.Tensor) -> None:
+        """A recipe's own window sums on the device (DPO's rewards, each process's): they travel with the window."""
+        self.carried = sums.copy_(self.restored[2:]) if len(self.restored) > 2 else sums
 
     def count_tokens(self, batch: dict) -> None:
         """One micro-batch's positions and padding positions (no host sync: the padding count stays on the device)."""

@@ -1,12 +1,5 @@
 """The optimizer-step bookkeeping every training loop shares: where the run stands (`TrainingProgress`, saved in every
-checkpoint), how many steps, and which micro-batches each one gets.
-
-`optimizer_step_windows` hands the loop one window of `gradient_accumulation_steps` micro-batches per optimizer
-step, from where the run stands (`progress.step`, restored by a resume) to `total_steps`: it reseeds each epoch's
-shuffle (`set_epoch`: the same order for any process count and after a resume), skips the micro-batches a resumed
-run has already trained on (`skip_first_batches`), crosses epoch boundaries, and stops exactly at `total_steps` (also
-when the run resumes from a checkpoint taken at its last step).
-"""
+checkpoint), how many steps, and which micro-batches each one gets."""
 
 from __future__ import annotations
 
@@ -21,16 +14,17 @@ from common.errors import fail
 
 
 class TrainingProgress:
-    """Optimizer steps done; registered with `accelerator.register_for_checkpointing` so it travels with the state."""
+    """Optimizer steps done and the step log's window not yet logged (`log_window`: common/metrics.py StepLog's;
+    `window`: the one a resume restored); registered with `accelerator.register_for_checkpointing` to travel with it."""
 
     def __init__(self) -> None:
-        self.step = 0
+        self.step, self.window, self.log_window = 0, None, None
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "window": self.log_window() if self.log_window else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step, self.window = int(state["step"]), state.get("window")  # no window: a checkpoint of an older run
 
 
 def track_progress(accelerator: Accelerator) -> TrainingProgress:
@@ -61,7 +55,8 @@ def count_optimizer_steps(dataloader: DataLoader, accumulation_steps: int, num_p
 
 def optimizer_step_windows(dataloader, progress: TrainingProgress, steps_per_epoch: int, total_steps: int,
                            accumulation_steps: int) -> Iterator[list[dict]]:
-    """Yield the micro-batches of each optimizer step from `progress.step` to `total_steps`.
+    """Yield the micro-batches of each optimizer step from `progress.step` (restored by a resume: the micro-batches
+    it trained on are skipped) to exactly `total_steps` (also from a checkpoint at that step), across epochs.
 
     `progress.step` is advanced as each window is handed out: while the loop works on a window it holds the number of
     the step that window completes (the step to log and to checkpoint). `steps_per_epoch` None: an unsized loader

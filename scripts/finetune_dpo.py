@@ -241,10 +241,10 @@ class PairMetrics:
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
-        self.sums = torch.zeros(len(METRICS) + 1, device=accelerator.device)
+        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
 
     def add(self, outputs: ModelOutput) -> None:
-        figures = outputs.figures.float()
+        figures = outputs.figures.double()
         self.sums += torch.cat([figures[:, 1:].sum(0), figures.new_tensor([figures.shape[0]])])
 
     def row(self) -> dict:
@@ -355,6 +355,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                                      trackers=("finetune_dpo", vars(args)))
     rewards = PairMetrics(accelerator)
     log.row_extras = rewards.row
+    log.carry(rewards.sums)  # a resumed run's first row counts the pairs before the checkpoint
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; reference "
                 f"{'live' if reference_logps else 'precomputed'}; "
                 f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in all; global batch "
