@@ -64,7 +64,9 @@ class NonFiniteGuard(StepGuard):
         self.optimizer, self.scheduler = optimizers[0] if optimizers else None, schedulers[0] if schedulers else None
         self.device_skip = (len(optimizers) == 1 and len(schedulers) == 1 and isinstance(self.scheduler, LambdaLR)
                             and isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-                            and bool(self.optimizer.defaults.get("fused")) and accelerator.scaler is None
+                            # the groups' flag: a resume restores the checkpoint's (an old one's is not fused)
+                            and all(group.get("fused") for group in self.optimizer.param_groups)
+                            and accelerator.scaler is None
                             and accelerator.distributed_type != DistributedType.DEEPSPEED)
 
     def skips_on_device(self) -> bool:
