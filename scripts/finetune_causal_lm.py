@@ -45,7 +45,7 @@ from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
-from common.inputs.responses import (build_docstring_task, chat_problem, render_chat,
+from common.inputs.responses import (build_docstring_task, chat_problem, check_tokenized, render_chat,
                                      tokenize_with_response_labels)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
@@ -173,12 +173,7 @@ def load_sft_data(args, accelerator, config, resume_from: str | None):
         data = raw.map(tokenize_sft_rows, batched=True, num_proc=args.preprocessing_num_workers,
                        fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, **columns),
                        remove_columns=raw["train"].column_names, desc="Tokenizing")
-    for split in ("train", "validation"):
-        if len(data[split]) < len(raw[split]):
-            logger.info(f"{len(raw[split]) - len(data[split])} {split} examples dropped: their prompt fills "
-                        f"--max_seq_length {max_length}")
-        if len(data[split]) == 0:
-            fail(f"no {split} example has a response token within --max_seq_length {max_length}")
+    check_tokenized(raw, data, max_length, "examples")
     logger.info(f"{len(data['train'])} training examples ({'chat template' if use_messages else 'prompt + completion'}"
                 f", at most {max_length} tokens)")
     return tokenizer, data

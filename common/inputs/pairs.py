@@ -15,7 +15,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from common.errors import fail
 from common.inputs.data import get_tokenizer, load_raw_datasets
-from common.inputs.responses import build_preference_task, chat_problem, tokenize_prompt_and_responses
+from common.inputs.responses import (build_preference_task, chat_problem, check_tokenized,
+                                     tokenize_prompt_and_responses)
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,7 @@ def load_preference_data(args: argparse.Namespace, accelerator, config, resume_f
         data = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=args.preprocessing_num_workers,
                        fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, columns=tuple(columns)),
                        remove_columns=raw["train"].column_names, desc="Tokenizing")
-    for split in ("train", "validation"):
-        if len(data[split]) < len(raw[split]):
-            logger.info(f"{len(raw[split]) - len(data[split])} {split} pairs dropped: their prompt fills "
-                        f"--max_seq_length {max_length}")
-        if len(data[split]) == 0:
-            fail(f"no {split} pair has a response token within --max_seq_length {max_length}")
+    check_tokenized(raw, data, max_length, "pairs")
     logger.info(f"{len(data['train'])} training pairs (at most {max_length} tokens a sequence)")
     return tokenizer, data
 

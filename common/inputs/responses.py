@@ -12,9 +12,13 @@ import random
 import textwrap
 from functools import partial
 
+from accelerate.logging import get_logger
+
 from common.errors import fail
 from common.inputs.cache import cached_folder
 from common.inputs.data import build_default_corpus
+
+logger = get_logger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -89,6 +93,17 @@ def tokenize_prompt_and_responses(tokenizer, prompt, responses: list) -> tuple[l
                  "response cannot be located; give plain-text prompt/chosen/rejected columns instead")
         response_ids.append(tokenizer(text[len(prompt_text):], add_special_tokens=False)["input_ids"])
     return tokenizer(prompt_text, add_special_tokens=False)["input_ids"], response_ids
+
+
+def check_tokenized(raw, data, max_length: int, unit: str) -> None:
+    """Say how many rows of each split tokenizing dropped (a prompt that fills `max_length` leaves no response
+    token), and stop in one line when a split has none left."""
+    for split in ("train", "validation"):
+        if len(data[split]) < len(raw[split]):
+            logger.info(f"{len(raw[split]) - len(data[split])} {split} {unit} dropped: their prompt fills "
+                        f"--max_seq_length {max_length}")
+        if len(data[split]) == 0:
+            fail(f"no {split} {unit[:-1]} has a response token within --max_seq_length {max_length}")
 
 
 def build_docstring_task(cache_dir: str) -> tuple[str, str]:
