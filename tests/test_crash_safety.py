@@ -128,7 +128,9 @@ def chaos(reference, corpus, dropout_config):
     out, log = reference / "chaos", str(reference / "chaos.log")
     cmd = chaos_command(corpus, reference / "cache", out, dropout_config)
     rng = random.Random(9)
-    plan = [("save", rng.uniform(0, 0.02)) for _ in range(3)] + [("time", rng.uniform(0, 0.5))]
+    # A time kill lands inside a step after a drawn number of this attempt's rows, not after a drawn wall time: a
+    # faster step must not carry the attempt so far that the save kills run out of checkpoints to interrupt.
+    plan = [("save", rng.uniform(0, 0.02)) for _ in range(3)] + [("time", (rng.randint(1, 4), rng.uniform(0, 0.03)))]
     rng.shuffle(plan)
     plan.insert(0, ("first row", 0.0))  # dies before its first checkpoint: the restart starts fresh
     kills = []
@@ -138,7 +140,8 @@ def chaos(reference, corpus, dropout_config):
         if kind == "first row":
             moment = lambda: rows_since(out, began)  # noqa: E731
         elif kind == "time":
-            moment = lambda: rows_since(out, began) and (time.sleep(delay) or True)  # noqa: E731
+            rows, pause = delay
+            moment = lambda: len(rows_since(out, began)) >= rows and (time.sleep(pause) or True)  # noqa: E731
         else:  # while the checkpoint after this attempt's first published one is being written
             moment = lambda: saving_after(out, began) and (time.sleep(delay) or True)  # noqa: E731
         if not wait_for(proc, moment):
