@@ -45,7 +45,7 @@ from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
-from common.inputs.responses import (build_docstring_task, chat_problem, check_tokenized, render_chat,
+from common.inputs.responses import (build_docstring_task, chat_problem, check_tokenized, render_chat, rows_of,
                                      tokenize_with_response_labels)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
@@ -357,18 +357,11 @@ def find_untrainable_row(raw, args) -> tuple[str, int, str] | None:
     or no assistant turn, or a missing prompt or completion (`datasets` gives None for a key a JSON row lacks)."""
     use_messages = args.messages_column in raw["train"].column_names
     columns = [args.messages_column] if use_messages else [args.prompt_column, args.completion_column]
-    for split in ("train", "validation"):
-        if split not in raw or not set(columns) <= set(raw[split].column_names):
-            continue  # the column check names what is missing
-        rows = raw[split].select_columns(columns)
-        for start in range(0, len(rows), 1000):
-            batch = rows[start:start + 1000]
-            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
-                problem = chat_problem(values[0], args.messages_column) if use_messages else next(
-                    (f"has no '{column}' text" for column, value in zip(columns, values)
-                     if not isinstance(value, str)), None)
-                if problem:
-                    return split, start + offset, problem
+    for split, index, values in rows_of(raw, columns):
+        problem = chat_problem(values[0], args.messages_column) if use_messages else next(
+            (f"has no '{column}' text" for column, value in zip(columns, values) if not isinstance(value, str)), None)
+        if problem:
+            return split, index, problem
     return None
 
 

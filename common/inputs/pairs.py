@@ -15,7 +15,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from common.errors import fail
 from common.inputs.data import get_tokenizer, load_raw_datasets
-from common.inputs.responses import (build_preference_task, chat_problem, check_tokenized,
+from common.inputs.responses import (build_preference_task, chat_problem, check_tokenized, rows_of,
                                      tokenize_prompt_and_responses)
 
 logger = logging.getLogger(__name__)
@@ -120,21 +120,15 @@ def find_untrainable_pair(raw, args: argparse.Namespace) -> tuple[str, int, str]
     chat turns that are not a conversation ending in an answer."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     first_kind = None  # (split, row, "plain text" or "chat turns") of the first row
-    for split in ("train", "validation"):
-        if split not in raw or not set(columns) <= set(raw[split].column_names):
-            continue  # the column check names what is missing
-        rows = raw[split].select_columns(columns)
-        for start in range(0, len(rows), 1000):
-            batch = rows[start:start + 1000]
-            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
-                problem = pair_problem(dict(zip(columns, values)), *columns)
-                kind = "plain text" if isinstance(values[0], str) else "chat turns"
-                first_kind = first_kind or (split, start + offset, kind)
-                if not problem and kind != first_kind[2]:
-                    problem = (f"holds {kind} where row {first_kind[1] + 1} of the {first_kind[0]} split holds "
-                               f"{first_kind[2]}: give every row the same kind")
-                if problem:
-                    return split, start + offset, problem
+    for split, index, values in rows_of(raw, columns):
+        problem = pair_problem(dict(zip(columns, values)), *columns)
+        kind = "plain text" if isinstance(values[0], str) else "chat turns"
+        first_kind = first_kind or (split, index, kind)
+        if not problem and kind != first_kind[2]:
+            problem = (f"holds {kind} where row {first_kind[1] + 1} of the {first_kind[0]} split holds "
+                       f"{first_kind[2]}: give every row the same kind")
+        if problem:
+            return split, index, problem
     return None
 
 

@@ -23,6 +23,19 @@ logger = get_logger(__name__)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+def rows_of(raw, columns: list[str]):
+    """Each row of the train and validation splits as (split, index, values of `columns`), read 1,000 rows at a time;
+    a split without those columns is passed over (the column check names what is missing)."""
+    for split in ("train", "validation"):
+        if split not in raw or not set(columns) <= set(raw[split].column_names):
+            continue
+        rows = raw[split].select_columns(columns)
+        for start in range(0, len(rows), 1000):
+            batch = rows[start:start + 1000]
+            for offset, values in enumerate(zip(*(batch[column] for column in columns))):
+                yield split, start + offset, values
+
+
 def chat_problem(messages, column: str) -> str | None:
     """What makes a row's chat turns untrainable, or None."""
     if not messages:
