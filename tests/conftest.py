@@ -163,6 +163,18 @@ def copy_checkpoints(source_dir, target_dir, *steps: int) -> None:
                         os.path.join(target_dir, "checkpoints", f"step_{step}"))
 
 
+def code_at(commit: str, folder):
+    """The recipes and common/ as they were at `commit` (from git), unpacked into `folder`; the test is skipped in a
+    checkout without that commit (a shallow clone)."""
+    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
+        pytest.skip(f"this checkout has no commit {commit[:7]} (a shallow clone)")
+    os.makedirs(folder)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", commit, "scripts", "common"], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
 def skip_line(checkpoint, problem: str) -> str:
     """The line `--resume_from_checkpoint auto` prints for a damaged checkpoint it passes over."""
     return f"Skipping checkpoint {checkpoint}: {problem}; trying the one before it"

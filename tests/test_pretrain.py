@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, read_metrics, run_script, train_losses
+from conftest import ROOT, code_at, read_metrics, run_script, train_losses
 
 ROOT_PATH = Path(ROOT)
 
@@ -134,14 +134,7 @@ BEFORE_TIERS = "87efb57c76710368adb1b70556ecb23124b9d817"
 def test_a_checkpoint_written_before_the_tiers_continues_exactly(corpus, tmp_path):
     """The pretraining recipe as it was before the tiers (taken from git) trains 8 steps and checkpoints at 4; this
     version resumes that step-4 checkpoint and ends with the same losses and weights as the old uninterrupted run."""
-    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{BEFORE_TIERS}^{{commit}}"],
-                      capture_output=True).returncode:
-        pytest.skip(f"this checkout has no commit {BEFORE_TIERS[:7]} (a shallow clone)")
-    old = tmp_path / "old_code"
-    old.mkdir()
-    archive = subprocess.run(["git", "-C", ROOT, "archive", BEFORE_TIERS, "scripts", "common"], capture_output=True,
-                             check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    old = code_at(BEFORE_TIERS, tmp_path / "old_code")
     common = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
               "--max_train_samples", "80", "--learning_rate", "3e-3")
     run_script(str(old / "scripts" / "pretrain_llama.py"),

@@ -14,10 +14,9 @@ processes' sums, the others with none, so the row's sum over processes is right)
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
-from conftest import ROOT, launcher, read_metrics, run_script
+from conftest import code_at, launcher, read_metrics, run_script
 from test_finetune_causal_lm import sft  # noqa: F401  (fixture)
 from test_finetune_classifier import tiny  # noqa: F401  (fixture)
 from test_finetune_dpo import dpo  # noqa: F401  (fixture)
@@ -65,14 +64,7 @@ def test_pretraining(corpus, tmp_path, saving):
 def test_a_checkpoint_without_the_window_resumes_with_an_empty_one(corpus, tmp_path):
     """A checkpoint of the code before the window travelled (BEFORE_WINDOW, from git) resumes: its first row is step
     4 alone, its next one steps 5-6, as the old run logged them."""
-    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{BEFORE_WINDOW}^{{commit}}"],
-                      capture_output=True).returncode:
-        pytest.skip(f"this checkout has no commit {BEFORE_WINDOW[:7]} (a shallow clone)")
-    old = tmp_path / "old_code"
-    old.mkdir()
-    archive = subprocess.run(["git", "-C", ROOT, "archive", BEFORE_WINDOW, "scripts", "common"], capture_output=True,
-                             check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    old = code_at(BEFORE_WINDOW, tmp_path / "old_code")
     flags = (*pretraining(corpus, tmp_path), "--max_steps", str(STEPS), "--seed", "0", "--mixed_precision", "no")
     run_script(str(old / "scripts" / "pretrain_llama.py"), *flags, "--output_dir", f"{tmp_path}/old",
                "--logging_steps", "1", "--checkpointing_steps", str(CHECKPOINT))
