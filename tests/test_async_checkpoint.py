@@ -200,50 +200,59 @@ def test_deepspeed_is_refused_in_one_line(capsys):
     assert err.startswith("error: --async_checkpointing does not work with DeepSpeed") and len(err.splitlines()) == 1
 
 
-def test_any_failed_background_write_is_one_line_at_the_next_wait(tmp_path, capsys, monkeypatch):
-    """In-process: a save returns while its write runs; a write that raised is reported by the next wait, never
-    silently, with one line naming the error and the intact checkpoint; nothing of the failed save is published."""
+@pytest.fixture()
+def background_saves():
+    """An in-process accelerator with a tiny prepared model, and checkpoint extras that write in the background."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from common.checkpoint import CheckpointExtras, save_checkpoint
-    from common.features import async_checkpoint
-    from common.features.async_checkpoint import BackgroundCheckpoints, wait_for_checkpoint
+    from common.checkpoint import CheckpointExtras
+    from common.features.async_checkpoint import BackgroundCheckpoints
     from common.features.checksums import record_files
     from common.features.disk import stop_if_disk_full
     from common.steps import track_progress
 
     accelerator = Accelerator(cpu=True)
-    try:
-        model = torch.nn.Linear(4, 4)
-        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-        track_progress(accelerator)
-        extras = CheckpointExtras(record_files=record_files, explain_failed_save=stop_if_disk_full)
-        extras.save = BackgroundCheckpoints(accelerator)
-        first = save_checkpoint(accelerator, str(tmp_path), 1, 2, extras)
+    model = torch.nn.Linear(4, 4)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    track_progress(accelerator)
+    extras = CheckpointExtras(record_files=record_files, explain_failed_save=stop_if_disk_full)
+    extras.save = BackgroundCheckpoints(accelerator)
+    yield accelerator, extras
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_any_failed_background_write_is_one_line_at_the_next_wait(background_saves, tmp_path, capsys,
+                                                                   monkeypatch):
+    """In-process: a save returns while its write runs; a write that raised is reported by the next wait, never
+    silently, with one line naming the error and the intact checkpoint; nothing of the failed save is published."""
+    from common.checkpoint import save_checkpoint
+    from common.features import async_checkpoint
+    from common.features.async_checkpoint import wait_for_checkpoint
+
+    accelerator, extras = background_saves
+    first = save_checkpoint(accelerator, str(tmp_path), 1, 2, extras)
+    wait_for_checkpoint(extras)
+    assert complete_checkpoints(str(tmp_path)) == [first] and verify(first) == (True, None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the storage went away\n(details)")
+
+    monkeypatch.setattr(async_checkpoint, "save", broken)
+    second = save_checkpoint(accelerator, str(tmp_path), 2, 2, extras)  # returns: the write runs meanwhile
+    with pytest.raises(SystemExit) as stopped:
         wait_for_checkpoint(extras)
-        assert complete_checkpoints(str(tmp_path)) == [first] and verify(first) == (True, None)
-
-        def broken(*args, **kwargs):
-            raise RuntimeError("the storage went away\n(details)")
-
-        monkeypatch.setattr(async_checkpoint, "save", broken)
-        second = save_checkpoint(accelerator, str(tmp_path), 2, 2, extras)  # returns: the write runs meanwhile
-        with pytest.raises(SystemExit) as stopped:
-            wait_for_checkpoint(extras)
-        assert stopped.value.code == 2
-        assert capsys.readouterr().err.strip().splitlines()[-1] == (
-            f"error: checkpoint {second} could not be written in the background (RuntimeError: the storage went "
-            f"away); {first} is intact: rerun with --resume_from_checkpoint auto")
-        assert complete_checkpoints(str(tmp_path)) == [first]
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: checkpoint {second} could not be written in the background (RuntimeError: the storage went "
+        f"away); {first} is intact: rerun with --resume_from_checkpoint auto")
+    assert complete_checkpoints(str(tmp_path)) == [first]
 
 
 @pytest.mark.parametrize("background_write", ["fails", "succeeds"])
-def test_a_full_disk_met_first_by_another_write_leaves_no_partial_save(tmp_path, capsys, monkeypatch,
-                                                                       background_write):
+def test_a_full_disk_met_first_by_another_write_leaves_no_partial_save(background_saves, tmp_path, capsys,
+                                                                       monkeypatch, background_write):
     """The disk fills while step 4's checkpoint is written in the background, and a metrics.jsonl row meets it first
     (a real ENOSPC: the file is /dev/full): that was the metrics writer's traceback with `.tmp-step_4` left behind. Now
     the background write is waited for: failed, its partial folder goes and the line is the blocking save's (step_2
@@ -251,63 +260,49 @@ def test_a_full_disk_met_first_by_another_write_leaves_no_partial_save(tmp_path,
     import errno
     import threading
 
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    from common.checkpoint import CheckpointExtras, save_checkpoint
+    from common.checkpoint import save_checkpoint
     from common.features import async_checkpoint
-    from common.features.async_checkpoint import BackgroundCheckpoints, wait_for_checkpoint
-    from common.features.checksums import record_files
-    from common.features.disk import mount_point, stop_if_disk_full, stop_on_full_disk
+    from common.features.async_checkpoint import wait_for_checkpoint
+    from common.features.disk import mount_point, stop_on_full_disk
     from common.metrics import MetricsWriter
-    from common.steps import track_progress
 
     out = tmp_path / "out"
-    accelerator = Accelerator(cpu=True)
-    try:
-        model = torch.nn.Linear(4, 4)
-        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-        track_progress(accelerator)
-        extras = CheckpointExtras(record_files=record_files, explain_failed_save=stop_if_disk_full)
-        extras.save = BackgroundCheckpoints(accelerator)
-        step_2 = save_checkpoint(accelerator, str(out), 2, None, extras)
-        wait_for_checkpoint(extras)
-        os.symlink("/dev/full", out / "metrics.jsonl")  # every write: ENOSPC
-        writing, write = threading.Event(), async_checkpoint.save
+    accelerator, extras = background_saves
+    step_2 = save_checkpoint(accelerator, str(out), 2, None, extras)
+    wait_for_checkpoint(extras)
+    os.symlink("/dev/full", out / "metrics.jsonl")  # every write: ENOSPC
+    writing, write = threading.Event(), async_checkpoint.save
 
-        def slow_write(*args, **kwargs):
-            writing.set()
-            time.sleep(0.5)  # the loop's metrics row meets the full disk first
-            if background_write == "fails":
-                raise OSError(errno.ENOSPC, "No space left on device")
-            write(*args, **kwargs)
-
-        monkeypatch.setattr(async_checkpoint, "save", slow_write)
-
-        def train() -> int:
-            save_checkpoint(accelerator, str(out), 4, None, extras)  # returns while the write runs
-            assert writing.wait(10)
-            MetricsWriter(str(out), True).write({"step": 5, "loss": 1.0})
-            return 0
-
-        with pytest.raises(SystemExit) as stopped:
-            stop_on_full_disk(train, str(out), extras)()
-        assert stopped.value.code == 2
-        line = capsys.readouterr().err
-        checkpoints = out / "checkpoints"
+    def slow_write(*args, **kwargs):
+        writing.set()
+        time.sleep(0.5)  # the loop's metrics row meets the full disk first
         if background_write == "fails":
-            assert line.startswith(f"error: disk full: checkpoint step_4 could not be written to {checkpoints} "
-                                   f"(filesystem {mount_point(str(out))}, ") and line.endswith(
-                f" MiB free after removing the partial save); {step_2} is intact: free some space, then rerun with "
-                "--resume_from_checkpoint auto\n")
-            assert os.listdir(checkpoints) == ["step_2"]  # no .tmp-step_4
-        else:
-            assert line.startswith(f"error: disk full: {out}/metrics.jsonl could not be written (filesystem ") and \
-                line.endswith(f" MiB free): free some space, then rerun with --resume_from_checkpoint auto "
-                              f"({checkpoints}/step_4 is intact)\n")
-            assert sorted(os.listdir(checkpoints)) == ["step_2", "step_4"]
-            assert verify(str(checkpoints / "step_4")) == (True, None)
-        assert len(line.splitlines()) == 1
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(async_checkpoint, "save", slow_write)
+
+    def train() -> int:
+        save_checkpoint(accelerator, str(out), 4, None, extras)  # returns while the write runs
+        assert writing.wait(10)
+        MetricsWriter(str(out), True).write({"step": 5, "loss": 1.0})
+        return 0
+
+    with pytest.raises(SystemExit) as stopped:
+        stop_on_full_disk(train, str(out), extras)()
+    assert stopped.value.code == 2
+    line = capsys.readouterr().err
+    checkpoints = out / "checkpoints"
+    if background_write == "fails":
+        assert line.startswith(f"error: disk full: checkpoint step_4 could not be written to {checkpoints} "
+                               f"(filesystem {mount_point(str(out))}, ") and line.endswith(
+            f" MiB free after removing the partial save); {step_2} is intact: free some space, then rerun with "
+            "--resume_from_checkpoint auto\n")
+        assert os.listdir(checkpoints) == ["step_2"]  # no .tmp-step_4
+    else:
+        assert line.startswith(f"error: disk full: {out}/metrics.jsonl could not be written (filesystem ") and \
+            line.endswith(f" MiB free): free some space, then rerun with --resume_from_checkpoint auto "
+                          f"({checkpoints}/step_4 is intact)\n")
+        assert sorted(os.listdir(checkpoints)) == ["step_2", "step_4"]
+        assert verify(str(checkpoints / "step_4")) == (True, None)
+    assert len(line.splitlines()) == 1
