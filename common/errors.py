@@ -14,6 +14,8 @@ from common.upstream import open_progress_bars
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+ERROR_LINES: list[str] = []  # this process's `error:` lines (common/features/exit_status.py records the last)
+
 
 def fail(message: str) -> NoReturn:
     """Stop with one clear line on stderr (`error: ...`) and exit status 2.
@@ -61,6 +63,7 @@ def print_last(line: str) -> None:
 def leave_for_launcher(line: str) -> None:
     """Write `line` into torch elastic's error file (torchrun sets one per process), so `accelerate launch`'s failure
     report names it as the root cause (also when only another rank failed)."""
+    ERROR_LINES.append(line)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:

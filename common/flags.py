@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from common.errors import fail, missing_local_path
+from common.errors import fail, leave_for_launcher, missing_local_path
 from common.paths import METRICS_FILE
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "adafactor")
@@ -25,6 +25,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
 
     def error(self, message: str):  # noqa: D102
+        leave_for_launcher(f"error: {message}")
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

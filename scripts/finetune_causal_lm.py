@@ -65,6 +65,7 @@ from common.features.deepspeed_check import check_deepspeed_config  # feature: d
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
+from common.features.exit_status import record_exit_status  # feature: exit status
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.fsdp_on_cpu import use_fsdp2_on_cpu  # feature: fsdp2 on cpu
 from common.features.liger import add_liger_args, check_liger_kernel, use_liger_kernel  # feature: liger kernel
@@ -392,4 +393,5 @@ def check_packing(accelerator: Accelerator, model: torch.nn.Module) -> None:
 
 
 if __name__ == "__main__":
+    main = record_exit_status(main)  # feature: exit status
     main()

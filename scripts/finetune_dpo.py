@@ -72,6 +72,7 @@ from common.features.dpo_reference import shard_reference  # feature: sharded re
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
+from common.features.exit_status import record_exit_status  # feature: exit status
 from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.fsdp_on_cpu import use_fsdp2_on_cpu  # feature: fsdp2 on cpu
 from common.features.liger import add_liger_args, check_liger_kernel, use_liger_kernel  # feature: liger kernel
@@ -459,4 +460,5 @@ def build_model(args, config, accelerator, vocab_size: int):
 
 
 if __name__ == "__main__":
+    main = record_exit_status(main)  # feature: exit status
     main()

@@ -34,8 +34,10 @@ from conftest import ROOT, SCRIPTS, read_metrics, run_script
 from safetensors.torch import load_file
 from test_distributed import launcher
 from test_finetune_causal_lm import sft  # noqa: F401  (fixture)
+from test_exit_status import exit_status
 from test_finetune_classifier import tiny  # noqa: F401  (fixture)
 
+from common.features.exit_status import STOPPED_REASON
 from common.guard import DIVERGED_STATUS
 from common.guard import STOPPED_STATUS
 
@@ -246,6 +248,7 @@ def test_stop_signal_checkpoints_and_resumes_exactly(case, corpus, cache, uninte
     status, seconds, output, logged = stop_run(cmd, str(out), sig, to_group, processes)
     step = assert_stopped_once(out, output, logged)
     assert status == launcher_status, output[-3000:]
+    assert exit_status(out) == {"exit_status": STOPPED_STATUS, "state": "stopped", "reason": STOPPED_REASON}
     assert seconds < GONE_WITHIN_S
     reference = uninterrupted(processes)
     report = assert_same_checkpoint(out / "checkpoints" / f"step_{step}", reference / "checkpoints" / f"step_{step}")
@@ -296,6 +299,7 @@ def test_learning_rate_1e4_stops_with_one_line(corpus, cache, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: training diverged: optimizer steps ")
     assert "5 in a row, --max_nonfinite_steps 5" in errors[0]
+    assert exit_status(out) == {"exit_status": DIVERGED_STATUS, "state": "diverged", "reason": errors[0]}
     rows = [r for r in read_metrics(str(out)) if "loss" in r]
     # the fifth non-finite step stops the run before its row is written
     assert sum(r["skipped_nonfinite_steps"] for r in rows) == 4 and rows[-1]["grad_norm"] is None
