@@ -1,6 +1,6 @@
 """Imported once by the fork server (gpu_suite/runner.py): the recipes' import statements, done for every fork.
 
-Only the top-level `import` / `from ... import` statements of the three recipes run here, in their order, as the
+Only the top-level `import` / `from ... import` statements of the recipes run here, in their order, as the
 recipes would run them (a `from transformers import AutoModelForCausalLM` loads that lazy class too); the recipes
 themselves are never imported, and none of their other code runs.
 """

@@ -1,7 +1,7 @@
 """The code stays readable as it grows: scripts/ holds only the recipes, imports point one way, and no function hides
 a loop in hundreds of lines.
 
-Layout: scripts/ (the three recipes users copy), common/ (what they share), and the tools around them, each a package
+Layout: scripts/ (the recipes users copy), common/ (what they share), and the tools around them, each a package
 named for what it is: benchmarks/, tools/, gpu_suite/. Tools import each other by package path
 (`from benchmarks import benchmark`) with the repository root on sys.path; a bare `import benchmark` works only when
 some code has put a tool's folder on sys.path, which hides what depends on what, so it fails here.

@@ -172,3 +172,37 @@ def test_the_project_has_its_licence():
     text = read(os.path.join(ROOT, "LICENSE"))
     assert text.startswith("Copyright 2026 The Accelerate reference training scripts authors\n")
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_every_launch_command_names_its_config():
+    """Without --config_file (and no `accelerate config` done) accelerate 1.15 prints a 5-line notice of the launcher
+    values it defaulted before the run's first line: every command the pages show runs as written, without it."""
+    bare = [f"{rel(page)}: {text}" for page in PAGES for text in code_texts(page)
+            if re.search(r"accelerate launch\b.*\.py", text) and "--config_file" not in text]
+    assert not bare, bare
+
+
+def test_the_number_of_recipes_is_the_one_in_scripts():
+    """A count of the recipes written in words goes stale when a recipe is added."""
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    count = len(glob.glob(os.path.join(ROOT, "scripts", "*.py")))
+    counted = re.compile(rf"\b(?:(?:all|the) ({'|'.join(words)}) (?:recipes|scripts)|({'|'.join(words)}) training "
+                         r"scripts)\b", re.I)
+    sources = PAGES + sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True))
+    wrong = [f"{rel(path)}: {match.group(0)}" for path in sources if "/.venv/" not in path
+             for match in counted.finditer(read(path)) if words.index((match.group(1) or match.group(2)).lower()) != count]
+    assert not wrong, f"scripts/ holds {count} recipes: {wrong}"
+
+
+def test_the_default_corpus_held_out_share_is_the_one_quoted():
+    import sysconfig
+
+    from common.inputs.data import build_default_corpus
+
+    if not sysconfig.get_python_version() == "3.11":
+        pytest.skip("the README quotes Python 3.11's standard library")
+    paths = build_default_corpus(os.path.join(ROOT, ".cache", "test-default-corpus"))
+    rows = {split: sum(1 for _ in open(path, encoding="utf-8")) for split, path in paths.items()}
+    total = rows["train"] + rows["validation"]
+    quoted = f"{rows['validation']} of its {total} files ({100 * rows['validation'] / total:.1f} %) held out"
+    assert quoted in " ".join(read(README).split())

@@ -1,4 +1,4 @@
-"""The three recipes keep one loop design: their training loops hold the same statements in the same order, except the
+"""The recipes keep one loop design: their training loops hold the same statements in the same order, except the
 loss lines and what an evaluation computes; and no explanatory comment is copied into all three."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_the_three_training_loops_have_not_drifted_apart():
         statements = loop_statements(script)
         assert statements == reference, (
             f"scripts/{script}.py's loop differs from scripts/{RECIPES[0]}.py's outside the loss lines: change all "
-            f"three recipes the same way.\n{script}: {statements}\n{RECIPES[0]}: {reference}")
+            f"recipes the same way.\n{script}: {statements}\n{RECIPES[0]}: {reference}")
 
 
 def test_loop_drift_is_caught(tmp_path, monkeypatch):

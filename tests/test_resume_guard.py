@@ -1,4 +1,4 @@
-"""Guarded resume and exported special tokens (scripts/pretrain_llama.py; the guard is shared by all three scripts).
+"""Guarded resume and exported special tokens (scripts/pretrain_llama.py; the guard is shared by all the recipes).
 
 - A checkpoint records what continuing it needs (run.json) and carries its tokenizer; a resume that would see other
   data, cut or ordered otherwise, another tokenizer or model, or another global batch stops with one line naming the

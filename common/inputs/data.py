@@ -71,7 +71,8 @@ def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYT
     """The embedded default corpus: this Python's own standard library sources and its pydoc documentation.
 
     Present on every machine that has Python, so the default run needs no download. One JSON row per file;
-    about one file in twenty (chosen by a hash of its path, so stable across machines) is held out for validation.
+    one file in twenty of the whole library (chosen by a hash of its path, so stable across machines) is held out for
+    validation, while the training files stop at `max_bytes`: with Python 3.11, 33 of the 313 files (10.5 %).
     """
     stdlib = sysconfig.get_paths()["stdlib"]
     paths = []
