@@ -45,7 +45,8 @@ from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags, count_parameters,
-                                    enable_gradient_checkpointing, freeze_parameters, load_finetuning_config)
+                                    enable_gradient_checkpointing, freeze_parameters, load_finetuning_config,
+                                    load_pretrained)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.output_dir import EXPORT_FILES
@@ -337,8 +338,9 @@ def build_classifier(args, accelerator, label_names: list[str]):
     load_kwargs = {"dtype": torch.float32}  # fp32 weights: mixed precision autocasts them
     if args.use_peft:  # feature: lora
         load_kwargs = base_model_kwargs(args, accelerator, "SEQ_CLS")  # a 16-bit (or 4-bit) frozen base
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, attn_implementation=args.attn_implementation, **head, **load_kwargs)
+    model = load_pretrained(AutoModelForSequenceClassification.from_pretrained, args.model_name_or_path,
+                            attn_implementation=args.attn_implementation, **head, **load_kwargs)
+    model.config.use_cache = False  # an encoder classifier never generates: no cache notice under checkpointing
     freeze_parameters(model, args.freeze_embeddings, args.freeze_layers)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)

@@ -112,3 +112,28 @@ def test_configs_and_datasets_keep_no_public_name_for_what_is_read():
     table = datasets.Dataset.from_dict({"text": ["a", "b"]})
     assert not [n for n in dir(table) if "fingerprint" in n and not n.startswith("_")]
     assert dataset_fingerprint(table) == datasets.Dataset.from_dict({"text": ["a", "b"]})._fingerprint
+
+
+def test_upstream_still_warns_where_the_recipes_silence_it():
+    """Two FutureWarnings the recipes filter (not the user's to act on): peft's PeftModel reads transformers'
+    deprecated `is_gradient_checkpointing`; datasets' `sort` passes pyarrow a deprecated option. Fails once upstream
+    stops: then delete the filter in common/features/lora.py / common/inputs/batching.py."""
+    import warnings
+
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.features.lora import GRADIENT_CHECKPOINTING_NOTICE
+    from common.inputs.batching import SORT_NOTICE
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+        datasets.Dataset.from_dict({"length": [3, 1, 2]}).sort("length")
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    for notice in (GRADIENT_CHECKPOINTING_NOTICE, SORT_NOTICE):
+        assert any(notice in message for message in messages), f"upstream no longer warns {notice!r}: drop its filter"

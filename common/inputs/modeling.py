@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -229,6 +230,27 @@ def build_from_config(config: PretrainedConfig, **kwargs) -> PreTrainedModel:
                 parameter.copy_(weights[name])
     del full, weights
     synchronize_rng_state(RNGType.TORCH)  # rank 0's generator, past the full build, on every rank
+    return model
+
+
+def load_pretrained(from_pretrained, name: str, **kwargs) -> PreTrainedModel:
+    """`from_pretrained(name, **kwargs)`, with one log line instead of transformers' LOAD REPORT table (terminal
+    escape codes in a log) for the weights the checkpoint lacks (a new head) or holds in another shape or unused."""
+    loader = logging.getLogger("transformers.modeling_utils")  # a level change there turns on another notice
+
+    def no_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+    loader.addFilter(no_report)
+    try:
+        model, loading = from_pretrained(name, output_loading_info=True, **kwargs)
+    finally:
+        loader.removeFilter(no_report)
+    for kind, what in (("missing_keys", "new, initialised here"), ("mismatched_keys", "of another shape there, "
+                       "initialised here"), ("unexpected_keys", "unused")):
+        keys = [key if isinstance(key, str) else key[0] for key in loading.get(kind) or ()]
+        if keys:
+            logger.info(f"{len(keys)} weights not in {name} ({what}): {', '.join(sorted(keys)[:6])}"
+                        + (", ..." if len(keys) > 6 else ""))
     return model
 
 
