@@ -335,3 +335,35 @@ def test_rows_that_cannot_be_trained_on_are_one_line_naming_the_row(sft, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err
     assert not any("Tokenizing" in line for line in err)
+
+
+NOT_THE_RUNS = ("Warning", "LOAD REPORT", "\x1b[", "use_cache", "deprecated")
+
+
+def test_a_run_prints_nothing_that_is_not_its_own(sft, tmp_path):
+    """SFT with LoRA, checkpointing and length grouping, and the classifier on a pretrained encoder with a new head:
+    no upstream FutureWarning (peft's is_gradient_checkpointing, pyarrow's null_placement), no LOAD REPORT table
+    with terminal escape codes, no use_cache notice; the classifier names its new head in one line instead."""
+    proc = run_script("finetune_causal_lm.py", "--model_name_or_path", sft["model"], "--train_file", sft["train"],
+                      "--validation_file", sft["validation"], "--output_dir", str(tmp_path / "sft"), "--max_steps",
+                      "2", "--use_peft", "--gradient_checkpointing", "--group_by_length")
+    noise = [line for line in proc.stderr.splitlines() if any(word in line for word in NOT_THE_RUNS)]
+    assert not noise, noise
+    from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
+
+    encoder = tmp_path / "encoder"
+    BertForMaskedLM(BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               vocab_size=len(PreTrainedTokenizerFast.from_pretrained(sft["model"])))
+                    ).save_pretrained(encoder)
+    PreTrainedTokenizerFast.from_pretrained(sft["model"]).save_pretrained(encoder)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"text": "row {i}", "label": "{"ab"[i % 2]}"}}\n' for i in range(16)))
+    proc = run_script("finetune_classifier.py", "--model_name_or_path", str(encoder), "--train_file", str(rows),
+                      "--validation_file", str(rows), "--output_dir", str(tmp_path / "cls"), "--max_steps", "2",
+                      "--gradient_checkpointing")
+    noise = [line for line in proc.stderr.splitlines() if any(word in line for word in NOT_THE_RUNS)]
+    assert not noise, noise
+    # a masked LM has no pooler and a prediction head the classifier does not use
+    assert (f"4 weights not in {encoder} (new, initialised here): bert.pooler.dense.bias, bert.pooler.dense.weight, "
+            "classifier.bias, classifier.weight") in proc.stderr
+    assert f"5 weights not in {encoder} (unused): cls.predictions.bias, " in proc.stderr
