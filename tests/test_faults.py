@@ -252,6 +252,32 @@ def test_a_full_disk_under_metrics_jsonl_is_one_line(corpus, tmp_path):
         "then rerun with --overwrite_output_dir (there is no checkpoint to resume)")
 
 
+def test_a_metrics_row_the_disk_takes_only_in_part_is_not_written_at_all(tmp_path):
+    """A write the disk takes only in part, then refuses (here the file-size limit, which does what a full disk does
+    at its last free page): the row was left half written (4,096 bytes, no newline) until a resume trimmed it, and
+    readers tailing metrics.jsonl broke on it. Now the file holds whole rows only and the write's own error goes up
+    (the full-disk line: test_a_full_disk_under_metrics_jsonl_is_one_line)."""
+    import resource
+
+    from common.metrics import MetricsWriter
+
+    def write_until_refused():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+        writer = MetricsWriter(str(tmp_path), enabled=True)
+        try:
+            for step in range(100, 200):
+                writer.write({"step": step, "note": "x" * 900})
+        except OSError as e:
+            os._exit(100 + (e.errno == errno.EFBIG))
+
+    assert forked(write_until_refused) == 101
+    text = (tmp_path / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert text.endswith("\n") and [row["step"] for row in rows] == list(range(100, 100 + len(rows)))
+    assert len(text) + len(text) // len(rows) > 10_000  # every row that fitted whole is there
+
+
 # ---- a model folder that cannot load: one line before any data is read --------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
