@@ -340,7 +340,10 @@ CHAT_PAIR = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assist
      "--train_file {rows}: row 2 has no assistant turn: nothing in it to learn"),
     ([{"prompt": "Q", "chosen": [ANSWER], "rejected": [ANSWER]}],
      "--train_file {rows}: row 1 mixes plain text and chat turns in 'prompt', 'chosen', 'rejected'"),
-], ids=["missing-column", "empty-response", "chosen-is-rejected", "chat-without-answer", "text-and-chat"])
+    ([CHAT_PAIR, {**CHAT_PAIR, "rejected": [{"role": "assistant", "content": " "}]}],
+     "--train_file {rows}: row 2 has an empty 'rejected' response (turn 1)"),
+], ids=["missing-column", "empty-response", "chosen-is-rejected", "chat-without-answer", "text-and-chat",
+        "empty-chat-response"])
 def test_bad_preference_rows_are_one_line_before_any_work(capsys, tmp_path, rows, problem):
     """scripts/finetune_dpo.py checks its rows before it loads the tokenizer or a model: a pair it cannot train on
     is one line naming the file and the row."""
@@ -353,6 +356,32 @@ def test_bad_preference_rows_are_one_line_before_any_work(capsys, tmp_path, rows
                            str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
     with pytest.raises(SystemExit) as exc:
         dpo.load_preference_data(args, None, None, None)  # no accelerator, no model: it stops before either is used
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+
+
+@pytest.mark.parametrize("rows,problem", [
+    ([{"prompt": "Q", "completion": "a"}, {"prompt": "Q", "completion": " "}],
+     "--train_file {rows}: row 2 has an empty 'completion' response"),
+    ([{"messages": [USER, ANSWER]}, {"messages": [USER, {"role": "assistant", "content": ""}]}],
+     "--train_file {rows}: row 2 has an empty 'messages' response (turn 2)"),
+    ([{"messages": [USER, ANSWER]}, {"messages": [USER, {"role": "assistant", "content": None}]}],
+     "--train_file {rows}: row 2 has an empty 'messages' response (turn 2)"),
+], ids=["empty-completion", "empty-assistant-turn", "assistant-turn-without-content"])
+def test_bad_sft_rows_are_one_line_before_any_work(capsys, tmp_path, rows, problem):
+    """scripts/finetune_causal_lm.py checks its rows before it loads the tokenizer or a model. An assistant turn with
+    nothing in it trained (its end-of-turn tokens only) where an empty text response was refused: both are refused,
+    in both recipes (the DPO case: test_bad_preference_rows_are_one_line_before_any_work)."""
+    import json
+
+    sft = load_script("finetune_causal_lm")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = sft.parse_args(["--model_name_or_path", "unused", "--train_file", str(path), "--validation_file",
+                           str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit) as exc:
+        sft.load_sft_data(args, None, None, None)  # no accelerator, no model: it stops before either is used
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err

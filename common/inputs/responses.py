@@ -36,16 +36,31 @@ def rows_of(raw, columns: list[str]):
                 yield split, start + offset, values
 
 
-def chat_problem(messages, column: str) -> str | None:
-    """What makes a row's chat turns untrainable, or None."""
+def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
+    """What makes a row's chat turns untrainable, or None: an unknown role, no assistant turn, or an assistant turn
+    from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is."""
     if not messages:
         return f"has no chat turns in '{column}'"
     for number, message in enumerate(messages, 1):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in CHAT_ROLES:
             return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
+        content = message.get("content")
+        if role == "assistant" and number > responses_from and not message.get("tool_calls") and \
+                not (content.strip() if isinstance(content, str) else content):
+            return f"has an empty '{column}' response (turn {number - responses_from})"
     if not any(message["role"] == "assistant" for message in messages):
         return "has no assistant turn: nothing in it to learn"
+    return None
+
+
+def text_problem(row: dict, response_column: str) -> str | None:
+    """What makes a row of plain-text columns untrainable, or None: a missing value, or an empty response."""
+    for column, value in row.items():
+        if not isinstance(value, str):
+            return f"has no '{column}' text"
+        if column == response_column and not value.strip():
+            return f"has an empty '{column}' response"
     return None
 
 
