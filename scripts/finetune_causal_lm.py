@@ -358,7 +358,7 @@ def find_untrainable_row(raw, args) -> tuple[str, int, str] | None:
     lacks) or an empty completion."""
     use_messages = args.messages_column in raw["train"].column_names
     columns = [args.messages_column] if use_messages else [args.prompt_column, args.completion_column]
-    for split, index, values in rows_of(raw, columns):
+    for split, index, values in rows_of(raw, columns, args):
         problem = chat_problem(values[0], args.messages_column) if use_messages else \
             text_problem(dict(zip(columns, values)), args.completion_column)
         if problem:

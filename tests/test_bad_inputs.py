@@ -385,3 +385,43 @@ def test_bad_sft_rows_are_one_line_before_any_work(capsys, tmp_path, rows, probl
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+
+
+TEXT_ROW = {"prompt": "Q", "completion": "a"}
+CHAT_COMPLETION_ROW = {"prompt": "Q", "completion": [ANSWER]}
+MIXED = "holds chat turns where row 1 of the train split holds plain text: give every row the same kind"
+PAST_10_MB = 18_000  # rows of 600 bytes: datasets reads a JSON file 10 MB at a time, the first chunk fixing the types
+
+
+@pytest.mark.parametrize("recipe,train,validation,problem", [
+    ("finetune_dpo", [TEXT_PAIR], [TEXT_PAIR, CHAT_PAIR], f"--validation_file {{validation}}: row 2 {MIXED}"),
+    ("finetune_dpo", [TEXT_PAIR], [CHAT_PAIR, TEXT_PAIR], f"--validation_file {{validation}}: row 1 {MIXED}"),
+    ("finetune_dpo", [{**TEXT_PAIR, "prompt": "Q" * 600}] * PAST_10_MB + [CHAT_PAIR], [TEXT_PAIR],
+     f"--train_file {{train}}: row {PAST_10_MB + 1} {MIXED}"),
+    ("finetune_causal_lm", [TEXT_ROW], [TEXT_ROW, CHAT_COMPLETION_ROW],
+     "--validation_file {validation}: row 2 holds chat turns in 'completion', where plain text is expected"),
+    ("finetune_causal_lm", [{**TEXT_ROW, "prompt": "Q" * 600}] * PAST_10_MB + [CHAT_COMPLETION_ROW], [TEXT_ROW],
+     f"--train_file {{train}}: row {PAST_10_MB + 1} holds chat turns in 'completion', where plain text is expected"),
+], ids=["dpo-validation-last-row", "dpo-validation-first-row", "dpo-train-past-10-MB", "sft-validation-last-row",
+        "sft-train-past-10-MB"])
+def test_a_chat_row_among_text_rows_is_one_line_however_datasets_hands_it_over(capsys, tmp_path, recipe, train,
+                                                                                 validation, problem):
+    """`datasets` 5.2 casts a column to one type: a chat row in a validation file read with a text train file's types,
+    or past the first 10 MB of a file of text rows, reached the recipes as its JSON text ('[{"role": ...}]', the text
+    rows around it as '"Q"') and trained as such, without a word ("18001 training pairs", status 0). The rows are read
+    as their file holds them: one line naming the file and the row."""
+    import json
+
+    script = load_script(recipe)
+    files = {"train": tmp_path / "train.jsonl", "validation": tmp_path / "validation.jsonl"}
+    for split, rows in (("train", train), ("validation", validation)):
+        files[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = script.parse_args(["--model_name_or_path", "unused", "--train_file", str(files["train"]),
+                              "--validation_file", str(files["validation"]), "--output_dir", str(tmp_path / "out"),
+                              "--cache_dir", str(tmp_path / "cache")])
+    load = script.load_preference_data if recipe == "finetune_dpo" else script.load_sft_data
+    with pytest.raises(SystemExit) as exc:
+        load(args, None, None, None)  # no accelerator, no model: it stops before either is used
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err

@@ -213,6 +213,16 @@ def find_bad_row(path: str, builder: str) -> str | None:
     return None
 
 
+def json_rows(path: str):
+    """Each row of a JSON lines file (or of a JSON document holding a list of rows) as the file holds it. `datasets`
+    casts each column to one type: a chat row among text rows of a file (past its first 10 MB, or in a validation file
+    read with the train file's types) reaches the recipe as its JSON text."""
+    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not the data's (datasets drops it too)
+        document = f.read(1) == "["
+        f.seek(0)
+        yield from json.load(f) if document else (json.loads(line) for line in f if line.strip())
+
+
 def columns_of(path: str, builder: str) -> set[str]:
     """The column names of a data file: a CSV header, a parquet schema, or every key of the JSON rows."""
     if builder == "parquet":

@@ -116,11 +116,11 @@ class PairCollator:
 
 def find_untrainable_pair(raw, args: argparse.Namespace) -> tuple[str, int, str] | None:
     """The first row (split, index, problem) that cannot give a pair: a missing or empty prompt or response, chosen
-    equal to rejected, text mixed with chat turns (in a row, or across rows: one tokenization serves them all), or
-    chat turns that are not a conversation ending in an answer."""
+    equal to rejected, text mixed with chat turns (in a row, or across rows: one tokenization serves them all; rows
+    read as their file holds them, `rows_of`), or chat turns that are not a conversation ending in an answer."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     first_kind = None  # (split, row, "plain text" or "chat turns") of the first row
-    for split, index, values in rows_of(raw, columns):
+    for split, index, values in rows_of(raw, columns, args):
         problem = pair_problem(dict(zip(columns, values)), *columns)
         kind = "plain text" if isinstance(values[0], str) else "chat turns"
         first_kind = first_kind or (split, index, kind)

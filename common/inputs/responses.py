@@ -4,6 +4,7 @@ Python's standard library (write a function's body from its signature and docstr
 
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import json
@@ -16,18 +17,24 @@ from accelerate.logging import get_logger
 
 from common.errors import fail
 from common.inputs.cache import cached_folder
-from common.inputs.data import build_default_corpus
+from common.inputs.data import build_default_corpus, data_format, json_rows
 
 logger = get_logger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def rows_of(raw, columns: list[str]):
-    """Each row of the train and validation splits as (split, index, values of `columns`), read 1,000 rows at a time;
-    a split without those columns is passed over (the column check names what is missing)."""
+def rows_of(raw, columns: list[str], args: argparse.Namespace):
+    """Each row of the train and validation splits as (split, index, values of `columns`); a split without those
+    columns is passed over (the column check names what is missing). A split read from a JSON file is read as the file
+    holds it (`json_rows`: `datasets` may hand a chat row over as its JSON text), any other 1,000 rows at a time."""
+    files = {} if args.dataset_name else {"train": args.train_file, "validation": args.validation_file}
     for split in ("train", "validation"):
         if split not in raw or not set(columns) <= set(raw[split].column_names):
+            continue
+        if files.get(split) and data_format(files[split]) == "json":
+            for index, row in enumerate(json_rows(files[split])):
+                yield split, index, tuple(row.get(column) if isinstance(row, dict) else None for column in columns)
             continue
         rows = raw[split].select_columns(columns)
         for start in range(0, len(rows), 1000):
@@ -39,6 +46,8 @@ def rows_of(raw, columns: list[str]):
 def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
     """What makes a row's chat turns untrainable, or None: an unknown role, no assistant turn, or an assistant turn
     from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is."""
+    if isinstance(messages, str):
+        return f"holds plain text in '{column}', where chat turns are expected"
     if not messages:
         return f"has no chat turns in '{column}'"
     for number, message in enumerate(messages, 1):
@@ -55,10 +64,11 @@ def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
 
 
 def text_problem(row: dict, response_column: str) -> str | None:
-    """What makes a row of plain-text columns untrainable, or None: a missing value, or an empty response."""
+    """What makes a row of plain-text columns untrainable, or None: a missing value, chat turns, an empty response."""
     for column, value in row.items():
         if not isinstance(value, str):
-            return f"has no '{column}' text"
+            return f"holds chat turns in '{column}', where plain text is expected" if isinstance(value, list) else \
+                f"has no '{column}' text"
         if column == response_column and not value.strip():
             return f"has an empty '{column}' response"
     return None
