@@ -425,3 +425,50 @@ def test_a_chat_row_among_text_rows_is_one_line_however_datasets_hands_it_over(c
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> str:
+    """A tokenizer without a chat template (a few seconds' BPE), for the checks that need one."""
+    from common.inputs.data import train_bpe_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    train_bpe_tokenizer(["alpha beta gamma delta, the model reads tokens"] * 20, 300).save_pretrained(path)
+    return path
+
+
+FOR_EACH_TURN = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("recipe,template,message", [
+    ("finetune_causal_lm", FOR_EACH_TURN + "{{ messages[7]['content'] }}", "list object has no element 7"),
+    ("finetune_dpo", FOR_EACH_TURN + "{{ messages[7]['content'] }}", "list object has no element 7"),
+    ("finetune_dpo", "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no answers here') }}"
+                     "{% endif %}{{ m['content'] }}{% endfor %}", "no answers here"),
+], ids=["sft-undefined", "dpo-prompt-undefined", "dpo-response-raises"])
+def test_a_chat_template_that_fails_on_the_first_row_is_one_line(capsys, tmp_path, tokenizer_folder, recipe,
+                                                                  template, message):
+    """A template that compiles but fails when it renders a conversation (`messages[7]` of a shorter one; its own
+    `raise_exception` once a response follows the prompt) ended in jinja2's traceback midway through tokenizing. The
+    first row is rendered once before: one line with the template's own message."""
+    import contextlib
+    import json
+    import types
+
+    script = load_script(recipe)
+    path, chat = tmp_path / "rows.jsonl", tmp_path / "chat.jinja"
+    chat.write_text(template)
+    row = {"messages": [USER, ANSWER]} if recipe == "finetune_causal_lm" else CHAT_PAIR
+    path.write_text(json.dumps(row) + "\n")
+    args = script.parse_args(["--model_name_or_path", tokenizer_folder, "--train_file", str(path), "--validation_file",
+                              str(path), "--chat_template", str(chat), "--output_dir", str(tmp_path / "out"),
+                              "--cache_dir", str(tmp_path / "cache")])
+    load = script.load_preference_data if recipe == "finetune_dpo" else script.load_sft_data
+    no_accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext)
+    with pytest.raises(SystemExit) as exc:
+        load(args, no_accelerator, None, None)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [
+        f"error: --chat_template {chat} fails on row 1 of the train split: {message}"], err
+    assert not any("Tokenizing" in line for line in err)

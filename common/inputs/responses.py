@@ -11,6 +11,7 @@ import json
 import os
 import random
 import textwrap
+from collections.abc import Callable
 from functools import partial
 
 from accelerate.logging import get_logger
@@ -92,6 +93,18 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
                  "turns), so the assistant turns cannot be located; give prompt/completion columns instead")
         spans.append((len(before), len(through)))
     return text, spans
+
+
+def check_template_renders(args: argparse.Namespace, render_first_row: Callable[[], object]) -> None:
+    """Render the train split's first row with the chat template once, before the tokenizing pass: a template that
+    compiles may still fail on a conversation (`messages[7]` of a shorter one, its own `raise_exception`), and the pass
+    would end in jinja2's traceback. One line with the template's own message instead."""
+    try:
+        render_first_row()
+    except Exception as e:  # noqa: BLE001 - what a template raises: jinja2's errors, or Python's from its expressions
+        template = f"--chat_template {args.chat_template}" if args.chat_template else \
+            f"the chat template of {args.tokenizer_name or args.model_name_or_path}"
+        fail(f"{template} fails on row 1 of the train split: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 
 def tokenize_with_response_labels(tokenizer, text: str, spans: list[tuple[int, int]], plain_text: bool
