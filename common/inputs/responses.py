@@ -163,7 +163,7 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
     (common/inputs/cache.py): written whole or not at all."""
     corpus = build_default_corpus(cache_dir)
     out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
-    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task")
+    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task", corpus["train"])
     return split_files(out_dir)
 
 
@@ -194,7 +194,7 @@ def build_preference_task(cache_dir: str) -> tuple[str, str]:
     the function is done. Bodies of one line (or only blank lines in the cut) are left out. A cache entry too."""
     sources = build_docstring_task(cache_dir)
     out_dir = os.path.dirname(sources[0]).replace("docstring-sft-", "docstring-dpo-")
-    cached_folder(out_dir, partial(write_preference_task, sources), "the default preference task")
+    cached_folder(out_dir, partial(write_preference_task, sources), "the default preference task", sources[0])
     return split_files(out_dir)
 
 
