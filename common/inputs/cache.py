@@ -111,7 +111,7 @@ def entry_problem(path: str, key: str, rows: int | None = None) -> str | None:
             manifest = json.load(f)
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        return f"no readable {MANIFEST} with a key"
+        return f"no readable {MANIFEST} with a key: damaged, or written by an older version"
     if manifest.get("key") != key:
         return f"its {MANIFEST} records another key: another entry moved or copied under this name"
     if manifest.get("rows") != rows:
