@@ -25,9 +25,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 
 def peak_flops_per_device() -> float | None:
     """Dense bf16 peak of this GPU, or None (CPU, or a GPU not in the table): MFU is then not reported."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
@@ -89,8 +87,15 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """`time` (Unix seconds) is added so that step times can be read back whatever a step's token count."""
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(strict_json({**record, "time": round(time.time(), 4)}), allow_nan=False) + "\n")
+            row = (json.dumps(strict_json({**record, "time": round(time.time(), 4)}), allow_nan=False) + "\n").encode()
+            with open(self.path, "ab", buffering=0) as f:
+                size, done = f.tell(), 0
+                try:
+                    while done < len(row):  # a row whole or none: a full disk takes a part, then refuses the rest
+                        done += f.write(row[done:])
+                except OSError:
+                    os.truncate(self.path, size)
+                    raise
 
 
 def write_all_results(output_dir: str, results: dict) -> None:

@@ -10,13 +10,8 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    ProjectConfiguration,
-    set_seed,
-)
+from accelerate.utils import (DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                              ProjectConfiguration, set_seed)
 
 
 logger = get_logger(__name__)

@@ -45,8 +45,8 @@ from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
-from common.inputs.responses import (build_docstring_task, chat_problem, check_tokenized, render_chat, rows_of,
-                                     tokenize_with_response_labels)
+from common.inputs.responses import (build_docstring_task, chat_problem, check_template_renders, check_tokenized,
+                                     render_chat, rows_of, text_problem, tokenize_with_response_labels)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -166,6 +166,8 @@ def load_sft_data(args, accelerator, config, resume_from: str | None):
     if use_messages and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.messages_column}') but the tokenizer has no chat template: pass "
              "--chat_template FILE, or use prompt/completion columns")
+    if use_messages:
+        check_template_renders(args, lambda: render_chat(tokenizer, raw["train"][0][args.messages_column]))
     max_length = args.max_seq_length or min(tokenizer.model_max_length,
                                             getattr(config, "max_position_embeddings", None) or 2048, 2048)
     columns = dict(messages_column=args.messages_column) if use_messages else \
@@ -354,13 +356,14 @@ def build_model(args, config, accelerator, vocab_size: int):
 
 
 def find_untrainable_row(raw, args) -> tuple[str, int, str] | None:
-    """The first row (split, index, problem) that cannot give an example: chat turns with a role other than CHAT_ROLES
-    or no assistant turn, or a missing prompt or completion (`datasets` gives None for a key a JSON row lacks)."""
+    """The first row (split, index, problem) that cannot give an example: chat turns with a role other than CHAT_ROLES,
+    no assistant turn or an empty one, or a missing prompt or completion (`datasets` gives None for a key a JSON row
+    lacks) or an empty completion."""
     use_messages = args.messages_column in raw["train"].column_names
     columns = [args.messages_column] if use_messages else [args.prompt_column, args.completion_column]
-    for split, index, values in rows_of(raw, columns):
-        problem = chat_problem(values[0], args.messages_column) if use_messages else next(
-            (f"has no '{column}' text" for column, value in zip(columns, values) if not isinstance(value, str)), None)
+    for split, index, values in rows_of(raw, columns, args):
+        problem = chat_problem(values[0], args.messages_column) if use_messages else \
+            text_problem(dict(zip(columns, values)), args.completion_column)
         if problem:
             return split, index, problem
     return None

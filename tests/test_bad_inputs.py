@@ -340,7 +340,10 @@ CHAT_PAIR = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assist
      "--train_file {rows}: row 2 has no assistant turn: nothing in it to learn"),
     ([{"prompt": "Q", "chosen": [ANSWER], "rejected": [ANSWER]}],
      "--train_file {rows}: row 1 mixes plain text and chat turns in 'prompt', 'chosen', 'rejected'"),
-], ids=["missing-column", "empty-response", "chosen-is-rejected", "chat-without-answer", "text-and-chat"])
+    ([CHAT_PAIR, {**CHAT_PAIR, "rejected": [{"role": "assistant", "content": " "}]}],
+     "--train_file {rows}: row 2 has an empty 'rejected' response (turn 1)"),
+], ids=["missing-column", "empty-response", "chosen-is-rejected", "chat-without-answer", "text-and-chat",
+        "empty-chat-response"])
 def test_bad_preference_rows_are_one_line_before_any_work(capsys, tmp_path, rows, problem):
     """scripts/finetune_dpo.py checks its rows before it loads the tokenizer or a model: a pair it cannot train on
     is one line naming the file and the row."""
@@ -356,3 +359,116 @@ def test_bad_preference_rows_are_one_line_before_any_work(capsys, tmp_path, rows
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+
+
+@pytest.mark.parametrize("rows,problem", [
+    ([{"prompt": "Q", "completion": "a"}, {"prompt": "Q", "completion": " "}],
+     "--train_file {rows}: row 2 has an empty 'completion' response"),
+    ([{"messages": [USER, ANSWER]}, {"messages": [USER, {"role": "assistant", "content": ""}]}],
+     "--train_file {rows}: row 2 has an empty 'messages' response (turn 2)"),
+    ([{"messages": [USER, ANSWER]}, {"messages": [USER, {"role": "assistant", "content": None}]}],
+     "--train_file {rows}: row 2 has an empty 'messages' response (turn 2)"),
+], ids=["empty-completion", "empty-assistant-turn", "assistant-turn-without-content"])
+def test_bad_sft_rows_are_one_line_before_any_work(capsys, tmp_path, rows, problem):
+    """scripts/finetune_causal_lm.py checks its rows before it loads the tokenizer or a model. An assistant turn with
+    nothing in it trained (its end-of-turn tokens only) where an empty text response was refused: both are refused,
+    in both recipes (the DPO case: test_bad_preference_rows_are_one_line_before_any_work)."""
+    import json
+
+    sft = load_script("finetune_causal_lm")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = sft.parse_args(["--model_name_or_path", "unused", "--train_file", str(path), "--validation_file",
+                           str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit) as exc:
+        sft.load_sft_data(args, None, None, None)  # no accelerator, no model: it stops before either is used
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+
+
+TEXT_ROW = {"prompt": "Q", "completion": "a"}
+CHAT_COMPLETION_ROW = {"prompt": "Q", "completion": [ANSWER]}
+MIXED = "holds chat turns where row 1 of the train split holds plain text: give every row the same kind"
+PAST_10_MB = 18_000  # rows of 600 bytes: datasets reads a JSON file 10 MB at a time, the first chunk fixing the types
+
+
+@pytest.mark.parametrize("recipe,train,validation,problem", [
+    ("finetune_dpo", [TEXT_PAIR], [TEXT_PAIR, CHAT_PAIR], f"--validation_file {{validation}}: row 2 {MIXED}"),
+    ("finetune_dpo", [TEXT_PAIR], [CHAT_PAIR, TEXT_PAIR], f"--validation_file {{validation}}: row 1 {MIXED}"),
+    ("finetune_dpo", [{**TEXT_PAIR, "prompt": "Q" * 600}] * PAST_10_MB + [CHAT_PAIR], [TEXT_PAIR],
+     f"--train_file {{train}}: row {PAST_10_MB + 1} {MIXED}"),
+    ("finetune_causal_lm", [TEXT_ROW], [TEXT_ROW, CHAT_COMPLETION_ROW],
+     "--validation_file {validation}: row 2 holds chat turns in 'completion', where plain text is expected"),
+    ("finetune_causal_lm", [{**TEXT_ROW, "prompt": "Q" * 600}] * PAST_10_MB + [CHAT_COMPLETION_ROW], [TEXT_ROW],
+     f"--train_file {{train}}: row {PAST_10_MB + 1} holds chat turns in 'completion', where plain text is expected"),
+], ids=["dpo-validation-last-row", "dpo-validation-first-row", "dpo-train-past-10-MB", "sft-validation-last-row",
+        "sft-train-past-10-MB"])
+def test_a_chat_row_among_text_rows_is_one_line_however_datasets_hands_it_over(capsys, tmp_path, recipe, train,
+                                                                                 validation, problem):
+    """`datasets` 5.2 casts a column to one type: a chat row in a validation file read with a text train file's types,
+    or past the first 10 MB of a file of text rows, reached the recipes as its JSON text ('[{"role": ...}]', the text
+    rows around it as '"Q"') and trained as such, without a word ("18001 training pairs", status 0). The rows are read
+    as their file holds them: one line naming the file and the row."""
+    import json
+
+    script = load_script(recipe)
+    files = {"train": tmp_path / "train.jsonl", "validation": tmp_path / "validation.jsonl"}
+    for split, rows in (("train", train), ("validation", validation)):
+        files[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = script.parse_args(["--model_name_or_path", "unused", "--train_file", str(files["train"]),
+                              "--validation_file", str(files["validation"]), "--output_dir", str(tmp_path / "out"),
+                              "--cache_dir", str(tmp_path / "cache")])
+    load = script.load_preference_data if recipe == "finetune_dpo" else script.load_sft_data
+    with pytest.raises(SystemExit) as exc:
+        load(args, None, None, None)  # no accelerator, no model: it stops before either is used
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> str:
+    """A tokenizer without a chat template (a few seconds' BPE), for the checks that need one."""
+    from common.inputs.data import train_bpe_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    train_bpe_tokenizer(["alpha beta gamma delta, the model reads tokens"] * 20, 300).save_pretrained(path)
+    return path
+
+
+FOR_EACH_TURN = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("recipe,template,message", [
+    ("finetune_causal_lm", FOR_EACH_TURN + "{{ messages[7]['content'] }}", "list object has no element 7"),
+    ("finetune_dpo", FOR_EACH_TURN + "{{ messages[7]['content'] }}", "list object has no element 7"),
+    ("finetune_dpo", "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no answers here') }}"
+                     "{% endif %}{{ m['content'] }}{% endfor %}", "no answers here"),
+], ids=["sft-undefined", "dpo-prompt-undefined", "dpo-response-raises"])
+def test_a_chat_template_that_fails_on_the_first_row_is_one_line(capsys, tmp_path, tokenizer_folder, recipe,
+                                                                  template, message):
+    """A template that compiles but fails when it renders a conversation (`messages[7]` of a shorter one; its own
+    `raise_exception` once a response follows the prompt) ended in jinja2's traceback midway through tokenizing. The
+    first row is rendered once before: one line with the template's own message."""
+    import contextlib
+    import json
+    import types
+
+    script = load_script(recipe)
+    path, chat = tmp_path / "rows.jsonl", tmp_path / "chat.jinja"
+    chat.write_text(template)
+    row = {"messages": [USER, ANSWER]} if recipe == "finetune_causal_lm" else CHAT_PAIR
+    path.write_text(json.dumps(row) + "\n")
+    args = script.parse_args(["--model_name_or_path", tokenizer_folder, "--train_file", str(path), "--validation_file",
+                              str(path), "--chat_template", str(chat), "--output_dir", str(tmp_path / "out"),
+                              "--cache_dir", str(tmp_path / "cache")])
+    load = script.load_preference_data if recipe == "finetune_dpo" else script.load_sft_data
+    no_accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext)
+    with pytest.raises(SystemExit) as exc:
+        load(args, no_accelerator, None, None)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [
+        f"error: --chat_template {chat} fails on row 1 of the train split: {message}"], err
+    assert not any("Tokenizing" in line for line in err)

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,18 +92,45 @@ def test_a_damaged_cache_entry_is_rebuilt_and_said_in_one_line(tmp_path, caplog)
         with open(os.path.join(folder, "rows.jsonl"), "w") as f:
             f.write("".join(json.dumps({"i": i}) + "\n" for i in range(1000)))
 
-    cached_folder(path, build, "rows")
-    assert cached_folder(path, build, "rows") == path and len(builds) == 1  # a whole entry is reused
+    cached_folder(path, build, "rows", "rows 0-999")
+    assert cached_folder(path, build, "rows", "rows 0-999") == path and len(builds) == 1  # a whole entry is reused
     for damage in ("cut", "no manifest"):
         if damage == "cut":
             os.truncate(os.path.join(path, "rows.jsonl"), 100)
         else:
             os.remove(os.path.join(path, MANIFEST))
         caplog.clear()
-        cached_folder(path, build, "rows")
-        assert entry_problem(path) is None and len(builds) == 2 + (damage != "cut")
+        cached_folder(path, build, "rows", "rows 0-999")
+        assert entry_problem(path, "rows 0-999") is None and len(builds) == 2 + (damage != "cut")
         said = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
         assert len(said) == 1 and said[0].startswith(f"cache entry {path} is damaged"), said
+
+
+def test_an_entry_under_another_key_is_rebuilt_and_said_in_one_line(tmp_path, caplog):
+    """A cache entry's folder is named by a hash of its key, and folders get moved and copied: an entry of other data
+    (or of another row count) under this key's name was read as this key's, its manifest whole. The manifest records
+    the key and the rows: such an entry is set aside and rebuilt with one log line, as a damaged one is."""
+    builds = []
+
+    def build_for(text):
+        def build(folder):
+            builds.append(text)
+            with open(os.path.join(folder, "rows.jsonl"), "w") as f:
+                f.write(text)
+        return build
+
+    other, path = str(tmp_path / "other"), str(tmp_path / "entry")
+    cached_folder(other, build_for("other data\n"), "rows", "key of other data", rows=1)
+    for key, rows in (("key of this data", 1), ("key of other data", 2)):
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(other, path)  # an entry whole, but not of this key
+        caplog.clear()
+        cached_folder(path, build_for("this data\n"), "rows", key, rows)
+        with open(os.path.join(path, "rows.jsonl")) as f:
+            assert f.read() == "this data\n" and entry_problem(path, key, rows) is None
+        said = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith(f"cache entry {path} is damaged (its cache.json records "), said
+    assert builds == ["other data\n", "this data\n", "this data\n"]
 
 
 def test_two_runs_building_one_entry_both_end_with_a_whole_one(tmp_path):
@@ -118,7 +146,7 @@ def test_two_runs_building_one_entry_both_end_with_a_whole_one(tmp_path):
                 time.sleep(0.005)
 
     def run():
-        with open(os.path.join(cached_folder(path, build, "data"), "data.txt")) as f:
+        with open(os.path.join(cached_folder(path, build, "data", "data"), "data.txt")) as f:
             os._exit(0 if len(set(f.read().split())) == 1 else 1)
 
     pids = []
@@ -131,7 +159,7 @@ def test_two_runs_building_one_entry_both_end_with_a_whole_one(tmp_path):
                 os._exit(3)
         pids.append(pid)
     assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids] == [0, 0]
-    assert entry_problem(path) is None and os.listdir(tmp_path) == ["entry"]
+    assert entry_problem(path, "data") is None and os.listdir(tmp_path) == ["entry"]
 
 
 def test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing(tmp_path, capsys):
@@ -144,7 +172,7 @@ def test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing(tmp_path, ca
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(SystemExit) as stopped:
-        cached_folder(path, build, "the default corpus")
+        cached_folder(path, build, "the default corpus", "corpus")
     lines = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and lines == [
         f"error: the default corpus could not be written to the cache ({path}): No space left on device; free some "
@@ -250,6 +278,32 @@ def test_a_full_disk_under_metrics_jsonl_is_one_line(corpus, tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: disk full: {out}/metrics.jsonl could not be written (filesystem {out}, 0 MiB free): free some space, "
         "then rerun with --overwrite_output_dir (there is no checkpoint to resume)")
+
+
+def test_a_metrics_row_the_disk_takes_only_in_part_is_not_written_at_all(tmp_path):
+    """A write the disk takes only in part, then refuses (here the file-size limit, which does what a full disk does
+    at its last free page): the row was left half written (4,096 bytes, no newline) until a resume trimmed it, and
+    readers tailing metrics.jsonl broke on it. Now the file holds whole rows only and the write's own error goes up
+    (the full-disk line: test_a_full_disk_under_metrics_jsonl_is_one_line)."""
+    import resource
+
+    from common.metrics import MetricsWriter
+
+    def write_until_refused():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+        writer = MetricsWriter(str(tmp_path), enabled=True)
+        try:
+            for step in range(100, 200):
+                writer.write({"step": step, "note": "x" * 900})
+        except OSError as e:
+            os._exit(100 + (e.errno == errno.EFBIG))
+
+    assert forked(write_until_refused) == 101
+    text = (tmp_path / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert text.endswith("\n") and [row["step"] for row in rows] == list(range(100, 100 + len(rows)))
+    assert len(text) + len(text) // len(rows) > 10_000  # every row that fitted whole is there
 
 
 # ---- a model folder that cannot load: one line before any data is read --------------------------------------------

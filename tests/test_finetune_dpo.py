@@ -533,6 +533,57 @@ def flip_two_value_bytes(path: str) -> None:
     assert not torch.equal(torch.load(path, weights_only=True), values)
 
 
+def test_an_entry_of_another_base_or_split_under_this_key_is_never_read(tmp_path, caplog):
+    """The reference's values as `precompute_reference` keeps them (in-process: a stand-in forward per base, one
+    process). An entry's manifest held sizes and checksums, not its key: another base's entry under this run's folder
+    name was read silently (step 1's loss 0.691340 instead of log 2), and the validation entry there crashed the
+    collator (IndexError). Now each is rebuilt with one log line, and the values are this base's, for every row."""
+    import shutil
+    import types
+
+    from datasets import Dataset
+    from transformers import LlamaConfig
+
+    from common.features.dpo_reference import precompute_reference
+
+    rng = random.Random(0)
+    data = {split: Dataset.from_dict({"prompt_ids": [[rng.randrange(1, 50) for _ in range(3)] for _ in range(n)],
+                                      "chosen_ids": [[rng.randrange(1, 50)] for _ in range(n)],
+                                      "rejected_ids": [[rng.randrange(1, 50)] for _ in range(n)],
+                                      "index": list(range(n)), "length": [4] * n})
+            for split, n in (("train", 6), ("validation", 2))}
+    accelerator = types.SimpleNamespace(is_main_process=True, is_local_main_process=False, num_processes=1,
+                                        process_index=0, mixed_precision="no", device=torch.device("cpu"),
+                                        gather=lambda t: t, wait_for_everyone=lambda: None)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+
+    def precompute(base: str, cache: str) -> dict[str, torch.Tensor]:
+        collators = {split: PairCollator(0, 8) for split in data}
+        scale = {"org/base-a": 1.0, "org/base-b": 2.0}[base]  # each base its own values
+        precompute_reference(argparse.Namespace(model_name_or_path=base, cache_dir=cache, per_device_eval_batch_size=4),
+                             accelerator, config, lambda batch: batch["input_ids"].sum(1).double() * scale, data,
+                             collators)
+        return {split: collator.reference_logps for split, collator in collators.items()}
+
+    def entry(cache: str, rows: int) -> str:  # the entry holding the values of a split of `rows` rows
+        return next(os.path.dirname(p) for p in reference_entries(cache) if len(torch.load(p, weights_only=True)) == rows)
+
+    precompute("org/base-a", str(tmp_path / "a"))
+    expected = precompute("org/base-b", str(tmp_path / "b"))
+    assert not torch.equal(expected["train"], precompute("org/base-a", str(tmp_path / "a"))["train"])
+    for case, source in (("another base's", str(tmp_path / "a")), ("the validation split's", str(tmp_path / "b"))):
+        cache = str(tmp_path / case.split()[1])
+        shutil.copytree(str(tmp_path / "b"), cache)
+        train = entry(cache, 6)
+        shutil.rmtree(train)
+        shutil.copytree(entry(source, 6 if case == "another base's" else 2), train)  # whole, under this key's name
+        caplog.clear()
+        values = precompute("org/base-b", cache)
+        assert all(torch.equal(values[split], expected[split]) for split in data), case
+        said = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith(f"cache entry {train} is damaged (its cache.json records "), said
+
+
 @pytest.mark.parametrize("damage", ["truncated", "flipped"])
 def test_a_damaged_reference_entry_is_rebuilt_with_one_line(dpo, precomputed_clean, tmp_path, damage):
     """The cached values cut in half (a kill or a full disk mid-write) or with two bytes flipped: the run never reads

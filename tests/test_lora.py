@@ -176,6 +176,33 @@ def test_the_wrapped_model_starts_as_the_base(quantized, data, tmp_path):
     assert torch.equal(before, after)
 
 
+def test_the_adapter_names_a_local_base_by_its_absolute_path(data, tmp_path, monkeypatch):
+    """A base given as a relative --model_name_or_path ("outputs/pretrain") was stored so in the adapter's
+    adapter_config.json (`base_model_name_or_path`): AutoPeftModelForCausalLM then failed from any other directory.
+    A local base is named by its absolute path, a hub id as given; the adapter loads from elsewhere."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from common.features.lora import add_adapter, base_model_name
+
+    monkeypatch.chdir(data["dir"])
+    args = load_script("finetune_causal_lm").parse_args(
+        ["--model_name_or_path", "base", "--output_dir", str(tmp_path), *LORA])
+    wrapped = add_adapter(args, Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained("base"), "CAUSAL_LM")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    wrapped.save_pretrained(tmp_path / "adapter")
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        stored = json.load(f)["base_model_name_or_path"]
+    assert os.path.isabs(stored) and os.path.samefile(stored, data["model"]), stored
+    monkeypatch.chdir(tmp_path)
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    assert reloaded.config.vocab_size == wrapped.config.vocab_size
+    assert base_model_name("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"  # a hub id: no such folder here
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_gradient_checkpointing_gives_the_same_gradients(quantized, data, tmp_path):
     """The same adapter (B set non-zero, so A gets gradients too) with and without --gradient_checkpointing: the

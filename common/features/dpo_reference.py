@@ -6,7 +6,8 @@ is rebuilt, with one line in the log), keyed by what the values depend on, by co
 the resume guard fingerprints them (each weight file's xxh3-64; a hub id's resolved revision), its config, the
 reference's settings (4-bit base, attention kernel, chunked head), the tokenized pairs themselves and the precision.
 A base rewritten in place with its mtime kept, a hub id whose branch moved, or other pairs give another key: the
-stale entry is never read.
+stale entry is never read. The entry's manifest records its key and the rows its values cover, so another entry
+moved or copied under this key's folder name (another base's, the other split's) is rebuilt as a damaged one is.
 """
 
 from __future__ import annotations
@@ -68,12 +69,14 @@ def precompute_reference(args: argparse.Namespace, accelerator, config, forward,
         dataset = data[split].remove_columns("length")
         key = json.dumps([model, pairs_checksum(dataset)], sort_keys=True, default=str)
         path = os.path.join(args.cache_dir, f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
-        values = read_values(path) if accelerator.is_main_process else None
+        rows = max(dataset["index"]) + 1  # the values' rows: one per row of the split's file up to its last pair
+        values = read_values(path, key, rows) if accelerator.is_main_process else None
         values = broadcast_object_list([values])[0] if accelerator.num_processes > 1 else values
         if values is None:
             values = compute_values(args, accelerator, forward, dataset, collators[split], split)
             if accelerator.is_main_process:
-                cached_folder(path, partial(write_values, values), f"the reference's {split} log-probabilities")
+                cached_folder(path, partial(write_values, values), f"the reference's {split} log-probabilities",
+                              key, rows)
         collators[split].reference_logps = values
     accelerator.wait_for_everyone()
 
@@ -118,9 +121,10 @@ def pairs_checksum(dataset) -> str:
     return digest.hexdigest()
 
 
-def read_values(path: str) -> torch.Tensor | None:
-    """The entry's values when it is whole (its manifest holds); None when missing or damaged (then rebuilt)."""
-    if entry_problem(path) is not None:
+def read_values(path: str, key: str, rows: int) -> torch.Tensor | None:
+    """The entry's values when it is whole and this key's (its manifest holds and records `key` and `rows`); None
+    when missing, damaged or another entry's (then rebuilt)."""
+    if entry_problem(path, key, rows) is not None:
         return None
     try:
         return torch.load(os.path.join(path, VALUES), weights_only=True)  # a tensor: nothing to unpickle

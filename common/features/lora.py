@@ -115,10 +115,17 @@ def add_adapter(args: argparse.Namespace, accelerator: Accelerator, model, task_
     if args.load_in_4bit:
         keep_4bit_layout(model)
     model = get_peft_model(model, lora_config(args, task_type))
+    model.peft_config["default"].base_model_name_or_path = base_model_name(args.model_name_or_path)
     if keep_only_trainable_weights not in save_state_pre_hooks(accelerator):  # once per accelerator
         accelerator.register_save_state_pre_hook(keep_only_trainable_weights)
         accelerator.register_load_state_pre_hook(load_trainable_weights)
     return model
+
+
+def base_model_name(name: str) -> str:
+    """What the exported adapter_config.json names its base by: a local folder's absolute path (peft stores the name
+    as given, and a relative one loads only from the directory the run was started in), a hub id as given."""
+    return os.path.abspath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
 
 
 def keep_4bit_layout(model: nn.Module) -> None:

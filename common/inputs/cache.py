@@ -2,11 +2,13 @@
 whole or not at all, so a kill, a full disk or two runs sharing the cache never leave a half-written entry to read.
 
 An entry is built in a temporary folder beside it (locked while its builder lives, so the next build removes only
-a killed one's), which gets a manifest (`cache.json`: every file's size and xxh3-64) last and is then renamed into
-place: the rename is atomic, so an entry either exists complete or not at all. Of two runs building the same entry,
-the first rename wins and the other uses it. A later run checks the manifest before it reads the entry (xxh3-64
-hashes ~20 GB/s: common/features/checksums.py); an entry that fails the check (damaged since, or written by an older
-version without a manifest) is set aside and rebuilt, with one line in the log.
+a killed one's), which gets a manifest (`cache.json`: the entry's key, the rows it covers where it has a count, every
+file's size and xxh3-64) last and is then renamed into place: the rename is atomic, so an entry either exists
+complete or not at all. Of two runs building the same entry, the first rename wins and the other uses it. A later run
+checks the manifest before it reads the entry (xxh3-64 hashes ~20 GB/s: common/features/checksums.py): an entry that
+fails the check (damaged since, written by an older version without a key, or another key's entry under this name: a
+folder is named by a hash of its key, and folders get copied and moved) is set aside and rebuilt, with one line in the
+log.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ logger = logging.getLogger(__name__)
 MANIFEST = "cache.json"
 
 
-def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
-    """`path`, complete: as found when its manifest holds, else built by `build(folder)` into a temporary folder
-    beside it and renamed into place. `what` names the entry in the log and in errors ("the default corpus")."""
-    problem = entry_problem(path)
+def cached_folder(path: str, build: Callable[[str], None], what: str, key: str, rows: int | None = None) -> str:
+    """`path`, complete: as found when its manifest holds and records `key` (and `rows`), else built by
+    `build(folder)` into a temporary folder beside it and renamed into place. `what` names the entry in the log and in
+    errors ("the default corpus"); `key` is what the folder's name is a hash of, `rows` the rows of data it covers."""
+    problem = entry_problem(path, key, rows)
     if problem is None:
         return path
     if problem != "missing":
@@ -46,7 +49,8 @@ def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
             building = os.open(temporary, os.O_RDONLY)  # locked while this process lives: not abandoned
             fcntl.flock(building, fcntl.LOCK_EX)
             build(temporary)
-            manifest = {name: file_record(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
+            files = {name: file_record(os.path.join(temporary, name)) for name in sorted(os.listdir(temporary))}
+            manifest = {"key": key, **({"rows": rows} if rows is not None else {}), "files": files}
             write_and_sync(os.path.join(temporary, MANIFEST), json.dumps(manifest, indent=1))
         except Exception as e:  # a full disk, a read-only --cache_dir: nothing of the entry is left
             reason = write_error(e)
@@ -57,13 +61,13 @@ def cached_folder(path: str, build: Callable[[str], None], what: str) -> str:
         try:
             os.rename(temporary, path)
         except OSError:  # another run renamed its own build into place first: use that one
-            if entry_problem(path) is not None:
+            if entry_problem(path, key, rows) is not None:
                 raise
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
         if building is not None:
             os.close(building)
-    problem = entry_problem(path)
+    problem = entry_problem(path, key, rows)
     if problem is not None:
         fail(f"cache entry {path} could not be written whole ({problem}): check the disk under --cache_dir")
     return path
@@ -97,16 +101,22 @@ def remove_abandoned_builds(path: str) -> None:
             os.close(held)
 
 
-def entry_problem(path: str) -> str | None:
-    """None when `path` holds its manifest's files with their sizes and checksums; else what is wrong."""
+def entry_problem(path: str, key: str, rows: int | None = None) -> str | None:
+    """None when `path` holds the entry of `key` (and `rows`), its manifest's files with their sizes and checksums;
+    else what is wrong."""
     if not os.path.isdir(path):
         return "missing"
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, ValueError):
-        return f"no readable {MANIFEST}"
-    for name, recorded in manifest.items():
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST} with a key: damaged, or written by an older version"
+    if manifest.get("key") != key:
+        return f"its {MANIFEST} records another key: another entry moved or copied under this name"
+    if manifest.get("rows") != rows:
+        return f"its {MANIFEST} records {manifest.get('rows')} rows, not {rows}: another entry under this name"
+    for name, recorded in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"{name} is missing"

@@ -79,9 +79,9 @@ def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYT
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
         paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
-    key = hashlib.sha256(f"{stdlib}|{len(paths)}|{max_bytes}".encode()).hexdigest()[:12]
-    out_dir = cached_folder(os.path.join(cache_dir, f"stdlib-corpus-{key}"),
-                            partial(write_default_corpus, stdlib, paths, max_bytes), "the default corpus")
+    key = f"{stdlib}|{len(paths)}|{max_bytes}"
+    out_dir = cached_folder(os.path.join(cache_dir, f"stdlib-corpus-{hashlib.sha256(key.encode()).hexdigest()[:12]}"),
+                            partial(write_default_corpus, stdlib, paths, max_bytes), "the default corpus", key)
     return {split: os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation")}
 
 
@@ -214,6 +214,16 @@ def find_bad_row(path: str, builder: str) -> str | None:
     return None
 
 
+def json_rows(path: str):
+    """Each row of a JSON lines file (or of a JSON document holding a list of rows) as the file holds it. `datasets`
+    casts each column to one type: a chat row among text rows of a file (past its first 10 MB, or in a validation file
+    read with the train file's types) reaches the recipe as its JSON text."""
+    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not the data's (datasets drops it too)
+        document = f.read(1) == "["
+        f.seek(0)
+        yield from json.load(f) if document else (json.loads(line) for line in f if line.strip())
+
+
 def columns_of(path: str, builder: str) -> set[str]:
     """The column names of a data file: a CSV header, a parquet schema, or every key of the JSON rows."""
     if builder == "parquet":
@@ -293,7 +303,7 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
         texts = (batch[args.text_column] for batch in raw["train"].iter(batch_size=1000))
         with accelerator.main_process_first():
             cached_folder(path, lambda folder: train_bpe_tokenizer(texts, vocab_size).save_pretrained(folder),
-                          f"a byte-level BPE tokenizer (vocab {vocab_size})")
+                          f"a byte-level BPE tokenizer (vocab {vocab_size})", key)
             tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:  # collators and generation need one; never trained on (labels are masked)
         tokenizer.pad_token = tokenizer.eos_token

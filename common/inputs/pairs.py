@@ -15,8 +15,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from common.errors import fail
 from common.inputs.data import get_tokenizer, load_raw_datasets
-from common.inputs.responses import (build_preference_task, chat_problem, check_tokenized, rows_of,
-                                     tokenize_prompt_and_responses)
+from common.inputs.responses import (build_preference_task, chat_problem, check_template_renders, check_tokenized,
+                                     rows_of, tokenize_prompt_and_responses)
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,13 @@ def load_preference_data(args: argparse.Namespace, accelerator, config, resume_f
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
-    if not isinstance(raw["train"][0][args.prompt_column], str) and not tokenizer.chat_template:
+    first = raw["train"][0]
+    if not isinstance(first[args.prompt_column], str) and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.prompt_column}') but the tokenizer has no chat template: pass "
              "--chat_template FILE, or use plain-text columns")
+    if not isinstance(first[args.prompt_column], str):  # the prompt, and each response after it
+        check_template_renders(args, lambda: tokenize_prompt_and_responses(
+            tokenizer, first[args.prompt_column], [first[args.chosen_column], first[args.rejected_column]]))
     max_length = args.max_seq_length or min(tokenizer.model_max_length,
                                             getattr(config, "max_position_embeddings", None) or 2048, 2048)
     with accelerator.main_process_first():
@@ -116,11 +120,11 @@ class PairCollator:
 
 def find_untrainable_pair(raw, args: argparse.Namespace) -> tuple[str, int, str] | None:
     """The first row (split, index, problem) that cannot give a pair: a missing or empty prompt or response, chosen
-    equal to rejected, text mixed with chat turns (in a row, or across rows: one tokenization serves them all), or
-    chat turns that are not a conversation ending in an answer."""
+    equal to rejected, text mixed with chat turns (in a row, or across rows: one tokenization serves them all; rows
+    read as their file holds them, `rows_of`), or chat turns that are not a conversation ending in an answer."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     first_kind = None  # (split, row, "plain text" or "chat turns") of the first row
-    for split, index, values in rows_of(raw, columns):
+    for split, index, values in rows_of(raw, columns, args):
         problem = pair_problem(dict(zip(columns, values)), *columns)
         kind = "plain text" if isinstance(values[0], str) else "chat turns"
         first_kind = first_kind or (split, index, kind)
@@ -143,7 +147,7 @@ def pair_problem(row: dict, prompt_column: str, chosen_column: str, rejected_col
         return f"has the same '{chosen_column}' and '{rejected_column}': nothing to prefer"
     if not isinstance(prompt, str):
         for column, response in ((chosen_column, chosen), (rejected_column, rejected)):
-            problem = chat_problem(list(prompt) + list(response or []), column) if response else \
+            problem = chat_problem(list(prompt) + list(response or []), column, len(prompt)) if response else \
                 f"has no chat turns in '{column}'"
             if problem or response[-1].get("role") != "assistant":
                 return problem or f"has no assistant turn at the end of '{column}': nothing to learn"

@@ -4,30 +4,38 @@ Python's standard library (write a function's body from its signature and docstr
 
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import json
 import os
 import random
 import textwrap
+from collections.abc import Callable
 from functools import partial
 
 from accelerate.logging import get_logger
 
 from common.errors import fail
 from common.inputs.cache import cached_folder
-from common.inputs.data import build_default_corpus
+from common.inputs.data import build_default_corpus, data_format, json_rows
 
 logger = get_logger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def rows_of(raw, columns: list[str]):
-    """Each row of the train and validation splits as (split, index, values of `columns`), read 1,000 rows at a time;
-    a split without those columns is passed over (the column check names what is missing)."""
+def rows_of(raw, columns: list[str], args: argparse.Namespace):
+    """Each row of the train and validation splits as (split, index, values of `columns`); a split without those
+    columns is passed over (the column check names what is missing). A split read from a JSON file is read as the file
+    holds it (`json_rows`: `datasets` may hand a chat row over as its JSON text), any other 1,000 rows at a time."""
+    files = {} if args.dataset_name else {"train": args.train_file, "validation": args.validation_file}
     for split in ("train", "validation"):
         if split not in raw or not set(columns) <= set(raw[split].column_names):
+            continue
+        if files.get(split) and data_format(files[split]) == "json":
+            for index, row in enumerate(json_rows(files[split])):
+                yield split, index, tuple(row.get(column) if isinstance(row, dict) else None for column in columns)
             continue
         rows = raw[split].select_columns(columns)
         for start in range(0, len(rows), 1000):
@@ -36,16 +44,34 @@ def rows_of(raw, columns: list[str]):
                 yield split, start + offset, values
 
 
-def chat_problem(messages, column: str) -> str | None:
-    """What makes a row's chat turns untrainable, or None."""
+def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
+    """What makes a row's chat turns untrainable, or None: an unknown role, no assistant turn, or an assistant turn
+    from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is."""
+    if isinstance(messages, str):
+        return f"holds plain text in '{column}', where chat turns are expected"
     if not messages:
         return f"has no chat turns in '{column}'"
     for number, message in enumerate(messages, 1):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in CHAT_ROLES:
             return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
+        content = message.get("content")
+        if role == "assistant" and number > responses_from and not message.get("tool_calls") and \
+                not (content.strip() if isinstance(content, str) else content):
+            return f"has an empty '{column}' response (turn {number - responses_from})"
     if not any(message["role"] == "assistant" for message in messages):
         return "has no assistant turn: nothing in it to learn"
+    return None
+
+
+def text_problem(row: dict, response_column: str) -> str | None:
+    """What makes a row of plain-text columns untrainable, or None: a missing value, chat turns, an empty response."""
+    for column, value in row.items():
+        if not isinstance(value, str):
+            return f"holds chat turns in '{column}', where plain text is expected" if isinstance(value, list) else \
+                f"has no '{column}' text"
+        if column == response_column and not value.strip():
+            return f"has an empty '{column}' response"
     return None
 
 
@@ -67,6 +93,18 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
                  "turns), so the assistant turns cannot be located; give prompt/completion columns instead")
         spans.append((len(before), len(through)))
     return text, spans
+
+
+def check_template_renders(args: argparse.Namespace, render_first_row: Callable[[], object]) -> None:
+    """Render the train split's first row with the chat template once, before the tokenizing pass: a template that
+    compiles may still fail on a conversation (`messages[7]` of a shorter one, its own `raise_exception`), and the pass
+    would end in jinja2's traceback. One line with the template's own message instead."""
+    try:
+        render_first_row()
+    except Exception as e:  # noqa: BLE001 - what a template raises: jinja2's errors, or Python's from its expressions
+        template = f"--chat_template {args.chat_template}" if args.chat_template else \
+            f"the chat template of {args.tokenizer_name or args.model_name_or_path}"
+        fail(f"{template} fails on row 1 of the train split: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 
 def tokenize_with_response_labels(tokenizer, text: str, spans: list[tuple[int, int]], plain_text: bool
@@ -125,7 +163,7 @@ def build_docstring_task(cache_dir: str) -> tuple[str, str]:
     (common/inputs/cache.py): written whole or not at all."""
     corpus = build_default_corpus(cache_dir)
     out_dir = os.path.join(cache_dir, "docstring-sft-" + hashlib.sha256(corpus["train"].encode()).hexdigest()[:12])
-    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task")
+    cached_folder(out_dir, partial(write_docstring_task, corpus), "the default SFT task", corpus["train"])
     return split_files(out_dir)
 
 
@@ -156,7 +194,7 @@ def build_preference_task(cache_dir: str) -> tuple[str, str]:
     the function is done. Bodies of one line (or only blank lines in the cut) are left out. A cache entry too."""
     sources = build_docstring_task(cache_dir)
     out_dir = os.path.dirname(sources[0]).replace("docstring-sft-", "docstring-dpo-")
-    cached_folder(out_dir, partial(write_preference_task, sources), "the default preference task")
+    cached_folder(out_dir, partial(write_preference_task, sources), "the default preference task", sources[0])
     return split_files(out_dir)
 
 
