@@ -329,6 +329,23 @@ TEXT_PAIR = {"prompt": "Q", "chosen": "a", "rejected": "b"}
 CHAT_PAIR = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "mu"}]}
 
 
+def assert_rows_refused(capsys, tmp_path, script: str, load: str, rows: list[dict], problem: str) -> None:
+    """The recipe's data function, given `rows` as its train and validation file, stops with the one line `problem`
+    before it needs an accelerator or a model."""
+    import json
+
+    recipe = load_script(script)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = recipe.parse_args(["--model_name_or_path", "unused", "--train_file", str(path), "--validation_file",
+                              str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit) as exc:
+        getattr(recipe, load)(args, None, None, None)  # no accelerator, no model: it stops before either is used
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+
+
 @pytest.mark.parametrize("rows,problem", [
     ([{"prompt": "Q", "chosen": "a"}], "no column 'rejected' in the train split (columns: prompt, chosen); set "
                                        "--rejected_column"),
@@ -347,18 +364,7 @@ CHAT_PAIR = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assist
 def test_bad_preference_rows_are_one_line_before_any_work(capsys, tmp_path, rows, problem):
     """scripts/finetune_dpo.py checks its rows before it loads the tokenizer or a model: a pair it cannot train on
     is one line naming the file and the row."""
-    import json
-
-    dpo = load_script("finetune_dpo")
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = dpo.parse_args(["--model_name_or_path", "unused", "--train_file", str(path), "--validation_file",
-                           str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
-    with pytest.raises(SystemExit) as exc:
-        dpo.load_preference_data(args, None, None, None)  # no accelerator, no model: it stops before either is used
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+    assert_rows_refused(capsys, tmp_path, "finetune_dpo", "load_preference_data", rows, problem)
 
 
 @pytest.mark.parametrize("rows,problem", [
@@ -373,18 +379,7 @@ def test_bad_sft_rows_are_one_line_before_any_work(capsys, tmp_path, rows, probl
     """scripts/finetune_causal_lm.py checks its rows before it loads the tokenizer or a model. An assistant turn with
     nothing in it trained (its end-of-turn tokens only) where an empty text response was refused: both are refused,
     in both recipes (the DPO case: test_bad_preference_rows_are_one_line_before_any_work)."""
-    import json
-
-    sft = load_script("finetune_causal_lm")
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = sft.parse_args(["--model_name_or_path", "unused", "--train_file", str(path), "--validation_file",
-                           str(path), "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
-    with pytest.raises(SystemExit) as exc:
-        sft.load_sft_data(args, None, None, None)  # no accelerator, no model: it stops before either is used
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(rows=path)}"], err
+    assert_rows_refused(capsys, tmp_path, "finetune_causal_lm", "load_sft_data", rows, problem)
 
 
 TEXT_ROW = {"prompt": "Q", "completion": "a"}
