@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import random
 import sys
 
@@ -349,6 +350,9 @@ def test_a_run_prints_nothing_that_is_not_its_own(sft, tmp_path):
                       "2", "--use_peft", "--gradient_checkpointing", "--group_by_length")
     noise = [line for line in proc.stderr.splitlines() if any(word in line for word in NOT_THE_RUNS)]
     assert not noise, noise
+    finals = [frame.split(" [")[0] for frame in re.split(r"[\r\n]", proc.stderr)
+              if " 100%|" in frame and not frame.startswith("train")]  # the data bars' (datasets' map) last frames
+    assert any(f.startswith("Tokenizing") for f in finals) and len(finals) == len(set(finals)), finals  # each once
     from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
 
     encoder = tmp_path / "encoder"

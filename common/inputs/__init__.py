@@ -19,6 +19,24 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
 
 
+def _draw_each_final_frame_once() -> None:
+    """tqdm redraws a finished bar when it closes: in a log, where frames are not drawn over each other, every data
+    stage's bar (datasets' `map`) ended with its 100 % line twice. A close whose last frame already counted every item
+    now skips the redraw (tests/test_upstream.py fails once tqdm stops redrawing)."""
+    from datasets.utils import tqdm as data_bar
+
+    draw = data_bar.display
+
+    def display(self, msg=None, pos=None):
+        if self.disable and msg is None and self.n == self.last_print_n:  # close(): the last frame is on screen
+            return True
+        return draw(self, msg, pos)
+    data_bar.display = display
+
+
+_draw_each_final_frame_once()
+
+
 def from_pretrained_or_fail(load: Callable, name: str, flag: str):
     """`load(name)` (a `from_pretrained`); a missing folder, a broken config.json or an unknown hub id is one line.
 
