@@ -118,11 +118,11 @@ def adapter_row(method: str) -> Row:
             return Outcome(PASS, figure + f", peak RSS {result['peak_memory_bytes'] / 2**20:,.0f} MiB, estimate "
                            f"{detail['estimate_bytes'] / 2**20:,.0f} MiB on a GPU (tiny preset on a CPU: the process's "
                            "resident memory, no figure to compare)", detail)
+        off = result["peak_memory_bytes"] / detail["estimate_bytes"] - 1
         figure += (f", peak {result['peak_memory_bytes'] / 2**30:.2f}/"
                    f"{(result['peak_memory_reserved_bytes'] or 0) / 2**30:.2f} GiB alloc/reserved, estimate "
-                   f"{detail['estimate_bytes'] / 2**30:.2f} GiB ({result['peak_memory_bytes'] / detail['estimate_bytes'] - 1:+.1%}"
-                   f" measured vs estimate); published (torchtune, RTX 4090, batch 2, packed 2,048, compile on): "
-                   f"{estimate_memory.PUBLISHED_8B[label]}")
+                   f"{detail['estimate_bytes'] / 2**30:.2f} GiB ({off:+.1%} measured vs estimate); published "
+                   f"(torchtune, RTX 4090, batch 2, packed 2,048, compile on): {estimate_memory.PUBLISHED_8B[label]}")
         return Outcome(PASS, figure, detail)
 
     return Row(f"perf_{method}_8b", 2, f"{label} fine-tuning of an 8B-shaped Llama (built from a config), 2 x 2,048 "

@@ -478,7 +478,7 @@ def test_estimator_counts_the_adapter_and_the_4bit_base(tmp_path):
                                                      quantization_config=nf4)
     stored = {k: v.numel() * v.element_size() for k, v in quantized.state_dict().items() if isinstance(v, torch.Tensor)}
     code_books = sum(n for k, n in stored.items() if k.endswith("quant_map") or ".quant_state." in k)  # ~1.3 KB a layer
-    estimated = options["QLoRA"][0] - 2 * 2 * shape.largest_linear  # without the layer dequantized while computing
+    estimated = options["QLoRA"][0] - estimate_memory.DEQUANTIZED_BYTES * shape.largest_linear  # without the layer
     print(f"4-bit tiny preset: stored {sum(stored.values()):,} bytes ({code_books:,} of them code books), "
           f"estimated {estimated:,.0f}")
     assert abs(sum(stored.values()) - code_books - estimated) < 0.005 * estimated

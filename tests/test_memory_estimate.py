@@ -20,7 +20,8 @@ from tools import estimate_memory
 
 SEQ, BATCH = 128, 2
 SHAPES = {  # LlamaConfig sizes, 2 layers; vocab 512 leaves the peak in a layer's backward, 3,840 at the loss
-    "narrow": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, vocab_size=512),
+    "narrow": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                   vocab_size=512),
     "wide": dict(hidden_size=128, intermediate_size=448, num_attention_heads=4, num_key_value_heads=4, vocab_size=512),
     "gqa": dict(hidden_size=128, intermediate_size=448, num_attention_heads=8, num_key_value_heads=2, vocab_size=512),
     "vocab": dict(hidden_size=128, intermediate_size=448, num_attention_heads=4, num_key_value_heads=4,
@@ -152,7 +153,8 @@ def test_each_flag_moves_its_part(llama_8b_config):
     assert no_dropout["layer recomputed"] < dropout["layer recomputed"]
     dpo = ["scripts/finetune_dpo.py", "--model_name_or_path", llama_8b_config, "--bf16", "--max_seq_length", "512",
            "--per_device_train_batch_size", "1"]
-    live, precomputed = (estimate_memory.command_answer(dpo + flags, 80) for flags in ([], ["--precompute_ref_log_probs"]))
+    live, precomputed = (estimate_memory.command_answer(dpo + flags, 80)
+                         for flags in ([], ["--precompute_ref_log_probs"]))
     assert live["tokens_per_micro_batch"] == 1024 and live["parts"]["reference model"] == 4 * live["parameters"]
     assert "reference model" not in precomputed["parts"]
     zero3 = estimate_memory.command_answer(["accelerate", "launch", "--config_file", os.path.join(

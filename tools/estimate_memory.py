@@ -130,6 +130,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       // config.num_attention_heads)
 
 
+# QLoRA: bitsandbytes 0.50's 4-bit matmul is fused in the forward; its backward dequantizes the weight to bf16 for
+# the input's gradient, one linear layer at a time
+DEQUANTIZED_BYTES = 2
 LOGITS_BYTES = 12  # per token per vocabulary entry at the loss's backward: fp32 log-softmax, its gradient, the input's
 
 
@@ -229,8 +232,8 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
                       "every": shape.layers - math.ceil(shape.layers / run.every)}.get(run.mode, 0)
     # offloading moves what a layer saves to host memory; on a CPU it is host memory already, nothing moves
     mode = "full" if run.mode == "offload" and run.device == "cpu" else run.mode
-    states = {"weights": 4 * shape.params if full else base - (2 * 2 * shape.largest_linear if run.method == "QLoRA"
-                                                                  else 0) + 4 * trained_params,
+    dequantized = DEQUANTIZED_BYTES * shape.largest_linear if run.method == "QLoRA" else 0
+    states = {"weights": 4 * shape.params if full else base - dequantized + 4 * trained_params,
               "reference model": run.reference_bytes,
               "optimizer states": run.optimizer_bytes * trained_params,
               "activations kept": tokens * shape.layers * per_token_layer_bytes(shape, mode, run.every, residual)
@@ -244,7 +247,7 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
     working = 0 if full else tokens * (4 * h + 2 * (shape.intermediate or 4 * h))
     layer = {"gradients": 4 * trained_params * (2 if run.ddp_buckets else 1), "layer recomputed": recomputed,
              "layer's backward working set": working,
-             "dequantized weight": 2 * 2 * shape.largest_linear if run.method == "QLoRA" else 0}
+             "dequantized weight": dequantized}
     moment = max((loss, layer), key=lambda m: sum(m.values()))
     result = {k: b for k, b in {**states, **moment}.items() if b}
     return {**result, "total": sum(result.values())}
@@ -332,7 +335,7 @@ def adapter_options(shape: ModelShape, r: int, nested: bool) -> list[tuple[str, 
     adapter = 16 * r * shape.lora_per_rank  # fp32 weights, gradients, AdamW m and v
     scales = 1 / 64 + 4 / (64 * 256) if nested else 4 / 64
     rest = shape.params - shape.linear
-    qlora_base = shape.linear * (0.5 + scales) + 2 * rest + 2 * 2 * shape.largest_linear  # + one dequantized layer
+    qlora_base = shape.linear * (0.5 + scales) + 2 * rest + DEQUANTIZED_BYTES * shape.largest_linear  # + one layer
     return [("full fine-tuning", "", 0, 18 * shape.params),
             ("LoRA", "--use_peft --bf16", 2 * shape.params, adapter),
             ("QLoRA", "--use_peft --load_in_4bit --bf16" + (" --use_bnb_nested_quant" if nested else ""),
