@@ -1,6 +1,10 @@
 #!/usr/bin/env python
-"""Which launch config fits a model: per-GPU and host memory of every option in accelerate_configs/, as Markdown.
+"""Which launch config fits a model: per-GPU and host memory of every option in accelerate_configs/, as Markdown;
+or, given one exact command after `--`, that run's peak per GPU, its parts and whether it fits a GPU.
 
+    python tools/estimate_memory.py --gpu_memory_gb 24 -- scripts/finetune_causal_lm.py \
+        --model_name_or_path meta-llama/Llama-3.1-8B --use_peft --bf16 --gradient_checkpointing \
+        --max_seq_length 2048 --per_device_train_batch_size 2          # add --json for one JSON object
     python tools/estimate_memory.py --model_preset 1b --num_gpus 1 --gpu_memory_gb 80
     python tools/estimate_memory.py --params 70e9 --num_gpus 16 --gpus_per_node 8 --gpu_memory_gb 80
     python tools/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
@@ -27,10 +31,10 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   activations while it is recomputed. Logits add s·b·V·12 at the loss's backward (the fp32 log-softmax, its gradient
   and the input's gradient; measured on a CPU); with --chunked_cross_entropy only one chunk of 1,024 tokens exists at
   a time (`logits_bytes`).
-- One run on one GPU (the --use_peft and --activation_modes tables, the GPU suite's memory rows): `peak_memory`, by
-  category, the larger of the loss's backward and a decoder layer's backward, a Llama layer's activations counted op
-  by op (`layer_activation_bytes`); checked against torch's memory profiler on a CPU (tests/test_memory_estimate.py,
-  docs/memory.md).
+- One run on one GPU (one command after --, the --use_peft and --activation_modes tables, the GPU suite's memory
+  rows): `peak_memory`, by category, the larger of the loss's backward and a decoder layer's backward, a Llama
+  layer's activations counted op by op (`layer_activation_bytes`); checked against torch's memory profiler on a CPU,
+  within 5 % on held-out shapes (tests/test_memory_estimate.py, docs/configs-and-memory.md).
 - Activation modes (--activation_modes), bytes a token keeps per decoder layer: none 34·h; full checkpointing 2·h
   (the layer's bf16 input); every k-th layer checkpointed: the mean of the two over the layers; per op (selective):
   the bf16 outputs of the matmuls and attention, 2·(q + k + v + attention + o + gate + up + down); offload: 0 on the
@@ -490,6 +494,7 @@ def recipe_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block_size", type=int, default=256)  # pretrain_llama.py's
     parser.add_argument("--tokenizer_vocab_size", type=int, default=8192)  # pretrain_llama.py's trained tokenizer
     parser.add_argument("--precompute_ref_log_probs", action="store_true")  # finetune_dpo.py's
+    parser.add_argument("--keep_dropout", action="store_true")  # finetune_dpo.py's: dropout is off without it
     return parser.parse_known_args(argv)[0]
 
 
@@ -542,7 +547,7 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
     live_reference = dpo and method == "full fine-tuning" and not args.precompute_ref_log_probs
     run = Run(method, seq, args.per_device_train_batch_size * (2 if dpo else 1), mode,
               args.chunked_cross_entropy or args.use_liger_kernel, 2 if args.optim in EIGHT_BIT else 8,
-              args.lora_r, args.use_bnb_nested_quant, args.lora_dropout > 0, device,
+              args.lora_r, args.use_bnb_nested_quant, args.lora_dropout > 0 and (args.keep_dropout or not dpo), device,
               int(option) if option and option.isdigit() else 2, 4 * shape.params if live_reference else 0,
               launch["num_processes"] > 1)
     return shape, run, {"recipe": recipe, "model": source or f"preset {args.model_preset or 'tiny'}",
