@@ -232,6 +232,8 @@ FAST = {
                        "test_a_full_disk_during_the_merged_export_is_one_line_and_leaves_no_part_of_it",
                        "test_a_sharded_model_is_checked_through_its_index"},
     "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
+    "test_memory_estimate.py": {"test_the_answer_adds_up_reads_only_the_config_and_says_if_it_fits",
+                                "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line"},
 }
 
 
