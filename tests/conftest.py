@@ -228,7 +228,8 @@ FAST = {
     "test_finetune_causal_lm.py": {"test_prompt_tokens_are_masked_and_eos_is_learned",
                                    "test_chat_template_trains_on_assistant_turns_only"},
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base",
-                     "test_the_adapter_names_a_local_base_by_its_absolute_path"},
+                     "test_the_adapter_names_a_local_base_by_its_absolute_path",
+                     "test_adapter_inputs_stay_16bit_and_train_the_same_adapter"},
     "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
     "test_faults.py": {"test_a_tokenizer_cache_killed_while_written_is_rebuilt_whole",
                        "test_a_damaged_cache_entry_is_rebuilt_and_said_in_one_line",
@@ -242,6 +243,8 @@ FAST = {
                        "test_a_sharded_model_is_checked_through_its_index",
                        "test_a_metrics_row_the_disk_takes_only_in_part_is_not_written_at_all"},
     "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
+    "test_memory_estimate.py": {"test_the_answer_adds_up_reads_only_the_config_and_says_if_it_fits",
+                                "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line"},
 }
 
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
-"""Which launch config fits a model: per-GPU and host memory of every option in accelerate_configs/, as Markdown.
+"""Which launch config fits a model: per-GPU and host memory of every option in accelerate_configs/, as Markdown;
+or, given one exact command after `--`, that run's peak per GPU, its parts and whether it fits a GPU.
 
+    python tools/estimate_memory.py --gpu_memory_gb 24 -- scripts/finetune_causal_lm.py \
+        --model_name_or_path meta-llama/Llama-3.1-8B --use_peft --bf16 --gradient_checkpointing \
+        --max_seq_length 2048 --per_device_train_batch_size 2          # add --json for one JSON object
     python tools/estimate_memory.py --model_preset 1b --num_gpus 1 --gpu_memory_gb 80
     python tools/estimate_memory.py --params 70e9 --num_gpus 16 --gpus_per_node 8 --gpu_memory_gb 80
     python tools/estimate_memory.py --config_name meta-llama/Llama-3.1-8B --seq_len 4096 --micro_batch_size 1
@@ -27,10 +31,10 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   activations while it is recomputed. Logits add s·b·V·12 at the loss's backward (the fp32 log-softmax, its gradient
   and the input's gradient; measured on a CPU); with --chunked_cross_entropy only one chunk of 1,024 tokens exists at
   a time (`logits_bytes`).
-- One run on one GPU (the --use_peft and --activation_modes tables, the GPU suite's memory rows): `peak_memory`, by
-  category, the larger of the loss's backward and a decoder layer's backward, a Llama layer's activations counted op
-  by op (`layer_activation_bytes`); checked against torch's memory profiler on a CPU (tests/test_memory_estimate.py,
-  docs/memory.md).
+- One run on one GPU (one command after --, the --use_peft and --activation_modes tables, the GPU suite's memory
+  rows): `peak_memory`, by category, the larger of the loss's backward and a decoder layer's backward, a Llama
+  layer's activations counted op by op (`layer_activation_bytes`); checked against torch's memory profiler on a CPU,
+  within 5 % on held-out shapes (tests/test_memory_estimate.py, docs/configs-and-memory.md).
 - Activation modes (--activation_modes), bytes a token keeps per decoder layer: none 34·h; full checkpointing 2·h
   (the layer's bf16 input); every k-th layer checkpointed: the mean of the two over the layers; per op (selective):
   the bf16 outputs of the matmuls and attention, 2·(q + k + v + attention + o + gate + up + down); offload: 0 on the
@@ -58,6 +62,7 @@ Estimates, not measurements: check the first steps' peak_memory_bytes in metrics
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -129,19 +134,25 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       // config.num_attention_heads)
 
 
+# QLoRA: bitsandbytes 0.50's 4-bit matmul is fused in the forward; its backward dequantizes the weight to bf16 for
+# the input's gradient, one linear layer at a time
+DEQUANTIZED_BYTES = 2
 LOGITS_BYTES = 12  # per token per vocabulary entry at the loss's backward: fp32 log-softmax, its gradient, the input's
 
 
-def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool, trained_head: bool = True) -> float:
+def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool, trained_head: bool = True,
+                 device: str = "cuda") -> float:
     """The logits at the loss's backward, all of them or one chunk (see the docstring)."""
     tokens, v = seq * batch, shape.vocab
     if not chunked:
         return tokens * v * LOGITS_BYTES
     if chunked_loss.OPTIONS is None:  # checkpointed chunks (torch < 2.13): one chunk as the unchunked loss holds it
         return min(tokens, CHUNK_TOKENS) * v * LOGITS_BYTES
-    # F.linear_cross_entropy: a chunk's fp32 logits, an fp32 copy of the head's weight (and three more fp32 buffers
-    # of its size when the head is trained), measured on a CPU
-    return min(tokens, CHUNK_TOKENS) * v * 4 + 4 * v * shape.hidden * (4 if trained_head else 1)
+    # F.linear_cross_entropy: a chunk's fp32 logits; on a CPU (its "accurate" policy) also an fp32 copy of the head's
+    # weight, and three more fp32 buffers of its size when the head is trained (measured); on CUDA (its "compact"
+    # policy, torch 2.13's source) no copy of the weight, and a trained head's bf16 gradient of its cast weight
+    weight_buffers = (4 * (4 if trained_head else 1) if device == "cpu" else 2 if trained_head else 0)
+    return min(tokens, CHUNK_TOKENS) * v * 4 + weight_buffers * v * shape.hidden
 
 
 def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True,
@@ -183,47 +194,66 @@ class Run:
     """One training run on one GPU holding the whole model (one GPU; DDP adds its gradient buckets), bf16 autocast."""
     method: str = "full fine-tuning"  # or "LoRA", "QLoRA" (adapter_options' names)
     seq: int = 2048
-    batch: int = 1
-    mode: str = "none"  # activation memory: none, every (2nd layer), op, full (checkpointing), offload
+    batch: int = 1  # rows per micro-batch (DPO: 2 per pair, chosen and rejected in one forward)
+    mode: str = "none"  # activation memory: none, every (k-th layer), op, full (checkpointing), offload
     chunked: bool = False
     optimizer_bytes: float = 8  # AdamW's m and v per trained parameter; 2 with --optim adamw_8bit
     lora_r: int = 16
     nested: bool = False
+    lora_dropout: bool = True  # --lora_dropout > 0: each adapter keeps its own dropped-out input and mask
+    device: str = "cuda"  # where it runs: a CPU's kernels keep what a GPU's do not (chunked loss, offloading)
+    every: int = 2  # --selective_ac_option k: every k-th layer checkpointed
+    reference_bytes: float = 0  # DPO's live reference: a frozen fp32 copy of the model
+    ddp_buckets: bool = False  # DDP over several processes: a second fp32 copy of the gradients
 
 
-MODEL_STATES = ("weights", "optimizer states", "gradients", "casts", "dequantized weight")  # peak_memory's, not activations
+MODEL_STATES = ("weights", "reference model", "optimizer states", "gradients", "casts", "dequantized weight")  # peak_memory's, not activations
+
+
+def adapter_input_bytes(shape: ModelShape, run: Run) -> float:
+    """Bytes per token an adapted layer saves beyond the base layer's: with dropout each adapter keeps its own
+    dropped-out bf16 input and its mask (3 bytes per input feature; q, k, v, o, gate, up: h wide, down: i wide);
+    without dropout the adapter's input is the layer's own tensor. peft's fp32 copy of the input is gone under
+    autocast (common/features/lora.py keep_adapter_inputs_16bit)."""
+    if run.method == "full fine-tuning" or not run.lora_dropout:
+        return 0
+    return 3 * (6 * shape.hidden + (shape.intermediate or 4 * shape.hidden))
 
 
 def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
-    """Bytes alive at a training step's peak, by category, and "total": the GPU suite's memory rows and this tool's
-    per-run tables print this. The peak is the larger of two moments, measured on a CPU with torch's memory
-    profiler (docs/memory.md): the loss's backward (the logits at LOGITS_BYTES; no gradient yet, zero_grad left
-    them None) and a decoder layer's backward (the gradients; one layer's activations while it is recomputed)."""
+    """Bytes alive at a training step's peak, by category, and "total" (their sum): the GPU suite's memory rows,
+    this tool's per-run tables and its answer for one command print this. The peak is the larger of two moments,
+    measured on a CPU with torch's memory profiler (docs/configs-and-memory.md): the loss's backward (the logits;
+    no gradient yet, zero_grad left them None) and a decoder layer's backward (the gradients; one layer's
+    activations while it is recomputed)."""
     tokens, h, v = run.seq * run.batch, shape.hidden, shape.vocab
     _, _, base, trained = next(o for o in adapter_options(shape, run.lora_r, run.nested) if o[0] == run.method)
     full = run.method == "full fine-tuning"
     trained_params = trained / 16 if not full else shape.params
     residual = 4 if full else 2  # fp32 embeddings make the residual stream fp32; a bf16 base keeps it bf16
-    # an adapter saves its input's dropout mask and bf16 cast (q, k, v, o, gate, up: h wide; down: i wide)
-    adapter_inputs = 0 if full else 3 * (6 * h + (shape.intermediate or 4 * h))
-    uncheckpointed = {"none": shape.layers, "op": shape.layers, "every": shape.layers - math.ceil(shape.layers / 2)
-                      }.get(run.mode, 0)
-    states = {"weights": 4 * shape.params if full else base - (2 * 2 * shape.largest_linear if run.method == "QLoRA"
-                                                                  else 0) + 4 * trained_params,
+    adapter_inputs = adapter_input_bytes(shape, run)
+    uncheckpointed = {"none": shape.layers, "op": shape.layers,
+                      "every": shape.layers - math.ceil(shape.layers / run.every)}.get(run.mode, 0)
+    # offloading moves what a layer saves to host memory; on a CPU it is host memory already, nothing moves
+    mode = "full" if run.mode == "offload" and run.device == "cpu" else run.mode
+    dequantized = DEQUANTIZED_BYTES * shape.largest_linear if run.method == "QLoRA" else 0
+    states = {"weights": 4 * shape.params if full else base - dequantized + 4 * trained_params,
+              "reference model": run.reference_bytes,
               "optimizer states": run.optimizer_bytes * trained_params,
-              "activations kept": tokens * shape.layers * per_token_layer_bytes(shape, run.mode, residual=residual)
+              "activations kept": tokens * shape.layers * per_token_layer_bytes(shape, mode, run.every, residual)
               + tokens * uncheckpointed * adapter_inputs,
               "casts": 2 * shape.params if full and run.mode == "none" else 0}  # autocast's bf16 weights, kept
-    # peft casts an adapter's input to fp32 and drops out from it: two fp32 copies of the widest input while it runs
-    adapter_casts = 0 if full else 8 * max(h, shape.intermediate or 4 * h)
-    recomputed = 0 if run.mode == "none" else tokens * (layer_activation_bytes(shape, residual) + adapter_inputs
-                                                        + adapter_casts)
-    loss = {"logits": logits_bytes(shape, run.seq, run.batch, run.chunked, trained_head=full),
+    recomputed = 0 if run.mode == "none" else tokens * (layer_activation_bytes(shape, residual) + adapter_inputs)
+    loss = {"logits": logits_bytes(shape, run.seq, run.batch, run.chunked, full, run.device),
             "head input and casts": 2 * 4 * tokens * h + (2 * v * h if full and run.mode != "none" else 0)}
-    layer = {"gradients": 4 * trained_params, "layer recomputed": recomputed,
-             "dequantized weight": 2 * 2 * shape.largest_linear if run.method == "QLoRA" else 0}
+    # an adapted layer's backward also holds the gradient of its output and of the residual (bf16) and one MLP-wide
+    # bf16 temporary of the op at work (measured at hidden 1,024, MLP 3,584; full fine-tuning's are within its count)
+    working = 0 if full else tokens * (4 * h + 2 * (shape.intermediate or 4 * h))
+    layer = {"gradients": 4 * trained_params * (2 if run.ddp_buckets else 1), "layer recomputed": recomputed,
+             "layer's backward working set": working,
+             "dequantized weight": dequantized}
     moment = max((loss, layer), key=lambda m: sum(m.values()))
-    result = {**states, **moment}
+    result = {k: b for k, b in {**states, **moment}.items() if b}
     return {**result, "total": sum(result.values())}
 
 
@@ -289,8 +319,18 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
             for config, flags, what, per_param, gathered, host in table]
 
 
-# Published, not measured here: torchtune's Llama-3.1-8B recipes on one 24 GB RTX 4090, batch 2 x 2,048 packed
-# tokens, activation checkpointing (its chunked cross-entropy keeps the logits small).
+# Published, not measured here: torchtune's README ("Memory and training speed"), Llama-3.1-8B on one RTX 4090,
+# batch 2, packed to 2,048 tokens, compile on.
+# The README's 8B commands beyond `--bf16 --gradient_checkpointing --max_seq_length 2048
+# --per_device_train_batch_size 2` (docs/lora.md says what each saves): rank 8 and no dropout on the adapters' inputs
+# (torchtune's configs' rank and dropout), the checkpointed layers' inputs in host memory, the loss over chunks,
+# AdamW's states in 8 bits; QLoRA's 4-bit scales quantized too.
+RECOMMENDED_8B = {
+    "LoRA": ["--use_peft", "--lora_r", "8", "--lora_dropout", "0", "--activation_offloading",
+             "--chunked_cross_entropy", "--optim", "adamw_8bit"],
+    "QLoRA": ["--use_peft", "--load_in_4bit", "--use_bnb_nested_quant", "--lora_r", "8", "--lora_dropout", "0",
+              "--activation_offloading", "--chunked_cross_entropy", "--optim", "adamw_8bit"],
+}
 PUBLISHED_8B = {"QLoRA": "7.4 GiB at 2,413 tokens/s", "LoRA": "16.2 GiB at 3,083 tokens/s"}
 
 
@@ -299,7 +339,7 @@ def adapter_options(shape: ModelShape, r: int, nested: bool) -> list[tuple[str, 
     adapter = 16 * r * shape.lora_per_rank  # fp32 weights, gradients, AdamW m and v
     scales = 1 / 64 + 4 / (64 * 256) if nested else 4 / 64
     rest = shape.params - shape.linear
-    qlora_base = shape.linear * (0.5 + scales) + 2 * rest + 2 * 2 * shape.largest_linear  # + one dequantized layer
+    qlora_base = shape.linear * (0.5 + scales) + 2 * rest + DEQUANTIZED_BYTES * shape.largest_linear  # + one layer
     return [("full fine-tuning", "", 0, 18 * shape.params),
             ("LoRA", "--use_peft --bf16", 2 * shape.params, adapter),
             ("QLoRA", "--use_peft --load_in_4bit --bf16" + (" --use_bnb_nested_quant" if nested else ""),
@@ -307,30 +347,33 @@ def adapter_options(shape: ModelShape, r: int, nested: bool) -> list[tuple[str, 
 
 
 def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
-    """The --use_peft table: full fine-tuning vs LoRA vs QLoRA, per GPU holding the whole model (one GPU, DDP)."""
+    """The --use_peft table: full fine-tuning vs LoRA vs QLoRA, per GPU holding the whole model (one GPU, DDP); each
+    row's states and activations are `peak_memory`'s parts at the peak, so they add up to its total."""
     adapter_params = args.lora_r * shape.lora_per_rank
     lines = ["", f"LoRA rank {args.lora_r} on every linear layer but the head ({adapter_params / 1e6:.1f}M adapter "
              "parameters), per GPU holding the whole model (one GPU, DDP):", "",
-             "| method | flags | frozen base | trained weights, gradients, AdamW "
+             "| method | flags | model states at the peak (plain / checkpointed) "
              "| activations and logits at the peak (plain / checkpointed) "
-             "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
-    for method, flags, base, trained in adapter_options(shape, args.lora_r, args.use_bnb_nested_quant):
+             "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|"]
+    for method, flags, _, _ in adapter_options(shape, args.lora_r, args.use_bnb_nested_quant):
         peaks = [peak_memory(shape, Run(method, args.seq_len, args.micro_batch_size, mode, args.chunked_cross_entropy,
                                         lora_r=args.lora_r, nested=args.use_bnb_nested_quant))
                  for mode in ("none", "full")]
         totals = [peak["total"] for peak in peaks]
-        acts = [peak["total"] - sum(peak.get(k, 0) for k in MODEL_STATES) for peak in peaks]
+        states = [sum(peak.get(k, 0) for k in MODEL_STATES) for peak in peaks]
         verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
             totals[1], args.gpu_memory_gb * GB) else "no"
-        lines.append(f"| {method} | {'`' + flags + '`' if flags else ''} | {base / GB:.1f} GB | {trained / GB:.2f} GB "
-                     f"| {acts[0] / GB:.1f} / {acts[1] / GB:.1f} GB | {totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB "
-                     f"({totals[1] / 2**30:.1f} GiB checkpointed) | {verdict} |")
-    lines += ["", "Published for comparison, not measured here (torchtune, Llama-3.1-8B, one 24 GB RTX 4090, batch 2 x "
-              "2,048 packed tokens, activation checkpointing, chunked cross-entropy): "
-              + "; ".join(f"{k} {v}" for k, v in PUBLISHED_8B.items()) + ". This estimate counts "
+        lines.append(f"| {method} | {'`' + flags + '`' if flags else ''} | {states[0] / GB:.2f} / {states[1] / GB:.2f} "
+                     f"GB | {(totals[0] - states[0]) / GB:.2f} / {(totals[1] - states[1]) / GB:.2f} GB | "
+                     f"{totals[0] / GB:.2f} / {totals[1] / GB:.2f} GB ({totals[1] / 2**30:.1f} GiB checkpointed) "
+                     f"| {verdict} |")
+    lines += ["", "Published for comparison, not measured here (torchtune, Llama-3.1-8B, one RTX 4090, batch 2, "
+              "packed 2,048 tokens, compile on): " + "; ".join(f"{k} {v}" for k, v in PUBLISHED_8B.items())
+              + ". This estimate counts "
               + ("one chunk of the logits (--chunked_cross_entropy)." if args.chunked_cross_entropy else
                  "the full logits (12 bytes per token per vocabulary entry); add --chunked_cross_entropy to count "
-                 "one chunk, as torchtune does.")]
+                 "one chunk.") + " For one exact command: `python tools/estimate_memory.py -- scripts/<recipe>.py "
+              "<its flags>`."]
     return lines
 
 
@@ -378,10 +421,14 @@ def report(args: argparse.Namespace) -> str:
                 if acts else "; activations not included (give --model_preset or --config_name)"),
              ""]
     if acts:
-        full, chunk = (logits_bytes(shape, args.seq_len, args.micro_batch_size, c) for c in (False, True))
-        lines += [f"Logits (vocabulary {shape.vocab:,}) per micro-batch: {full / GB:.2f} GB in full, {chunk / GB:.3f} "
-                  f"GB with --chunked_cross_entropy; the table counts "
-                  f"{'one chunk' if args.chunked_cross_entropy else 'them in full'}.", ""]
+        tokens = args.seq_len * args.micro_batch_size
+        full, chunked = (logits_bytes(shape, args.seq_len, args.micro_batch_size, c) for c in (False, True))
+        chunk = min(tokens, CHUNK_TOKENS) * shape.vocab * (4 if chunked_loss.OPTIONS is not None else LOGITS_BYTES)
+        lines += [f"Logits (vocabulary {shape.vocab:,}) at the loss's backward, per micro-batch: {full / GB:.2f} GB "
+                  f"in full; with --chunked_cross_entropy {chunk / GB:.3f} GB for one chunk of "
+                  f"{min(tokens, CHUNK_TOKENS):,} tokens" + (f", plus {(chunked - chunk) / GB:.2f} GB of buffers of "
+                                                             "the trained head's weight" if chunked > chunk else "")
+                  + f"; the table counts {'one chunk' if args.chunked_cross_entropy else 'them in full'}.", ""]
     lines += ["| config | what | model states, bytes/param per GPU | model states per GPU | activations per GPU "
               "(plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node | fits |",
               "|---|---|---|---|---|---|---|---|"]
@@ -420,6 +467,163 @@ def report(args: argparse.Namespace) -> str:
             2 if args.use_peft else 0]
         lines += activation_modes_report(args, shape, base + trained, method)
     return "\n".join(lines)
+
+
+RECIPES = ("pretrain_llama.py", "finetune_causal_lm.py", "finetune_dpo.py")  # the causal LMs: a Llama-like layer
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+
+
+def recipe_flags(argv: list[str]) -> argparse.Namespace:
+    """The flags of a recipe's command line that decide its memory, parsed with the recipes' own flag definitions
+    (common/flags.py and the features'); the others (data, logging, ...) are left aside."""
+    from common.features.activation_memory import add_activation_memory_args
+    from common.features.chunked_loss import add_chunked_loss_args
+    from common.features.liger import add_liger_args
+    from common.features.lora import add_peft_args
+    from common.flags import add_model_args, add_training_args
+    from common.inputs.modeling import add_finetuning_args
+
+    parser = ArgumentParser(add_help=False)
+    add_model_args(parser, PRESETS)
+    add_training_args(parser)
+    add_activation_memory_args(parser)
+    add_finetuning_args(parser)
+    add_chunked_loss_args(parser)
+    add_liger_args(parser)
+    add_peft_args(parser)
+    parser.add_argument("--block_size", type=int, default=256)  # pretrain_llama.py's
+    parser.add_argument("--tokenizer_vocab_size", type=int, default=8192)  # pretrain_llama.py's trained tokenizer
+    parser.add_argument("--precompute_ref_log_probs", action="store_true")  # finetune_dpo.py's
+    parser.add_argument("--keep_dropout", action="store_true")  # finetune_dpo.py's: dropout is off without it
+    return parser.parse_known_args(argv)[0]
+
+
+def launch_settings(command: list[str]) -> tuple[list[str], dict]:
+    """`[accelerate launch [--config_file F] [--num_processes N] ...] scripts/<recipe>.py <flags>` -> (the recipe
+    and its flags, {"config": the YAML's settings, "num_processes": N})."""
+    import yaml
+
+    launch, settings = {}, {}
+    if command[:2] == ["accelerate", "launch"]:
+        command = command[2:]
+        while command and command[0].startswith("--") and not command[0].endswith(".py"):
+            name, value = command[0][2:], command[1] if len(command) > 1 else ""
+            launch[name], command = value, command[2:]
+    if "config_file" in launch:
+        if not os.path.isfile(launch["config_file"]):
+            fail(f"--config_file {launch['config_file']}: no such file")
+        with open(launch["config_file"], encoding="utf-8") as f:
+            settings = yaml.safe_load(f) or {}
+        settings["file"] = os.path.basename(launch["config_file"])
+    processes = int(launch.get("num_processes") or settings.get("num_processes") or 1)
+    if settings.get("distributed_type", "NO") == "NO":
+        processes = 1
+    return command, {"config": settings, "num_processes": processes}
+
+
+def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, Run, dict]:
+    """The model shape, the Run and a description of the exact command after `--` (see `command_answer`)."""
+    command, launch = launch_settings(command)
+    if not command or os.path.basename(command[0]) not in RECIPES:
+        fail(f"after -- give the recipe and its flags: one of {', '.join('scripts/' + r for r in RECIPES)} "
+             f"(got {command[0] if command else 'nothing'})")
+    recipe, args = os.path.basename(command[0]), recipe_flags(command[1:])
+    precision = args.mixed_precision or launch["config"].get("mixed_precision")
+    if precision not in ("bf16", "fp16"):
+        fail("the estimate is for 16-bit mixed precision: add --bf16 (or --fp16) to the recipe's flags")
+    seq = args.block_size if recipe == "pretrain_llama.py" else args.max_seq_length
+    if seq is None:
+        fail(f"{recipe}: give --max_seq_length; the estimate needs the sequence length")
+    source = args.model_name_or_path or args.config_name
+    if source is None and recipe != "pretrain_llama.py":
+        fail(f"{recipe}: give --model_name_or_path (a folder holding only config.json is enough)")
+    shape = model_shape(argparse.Namespace(params=None, config_name=source, model_preset=args.model_preset or (
+        None if source else "tiny"), vocab_size=None if source else args.tokenizer_vocab_size))
+    method = "full fine-tuning" if not args.use_peft else "QLoRA" if args.load_in_4bit else "LoRA"
+    option = args.selective_ac_option
+    mode = ("offload" if args.activation_offloading else "op" if option == "op" else "every" if option
+            else "full" if args.gradient_checkpointing else "none")
+    dpo = recipe == "finetune_dpo.py"
+    live_reference = dpo and method == "full fine-tuning" and not args.precompute_ref_log_probs
+    run = Run(method, seq, args.per_device_train_batch_size * (2 if dpo else 1), mode,
+              args.chunked_cross_entropy or args.use_liger_kernel, 2 if args.optim in EIGHT_BIT else 8,
+              args.lora_r, args.use_bnb_nested_quant, args.lora_dropout > 0 and (args.keep_dropout or not dpo), device,
+              int(option) if option and option.isdigit() else 2, 4 * shape.params if live_reference else 0,
+              launch["num_processes"] > 1)
+    return shape, run, {"recipe": recipe, "model": source or f"preset {args.model_preset or 'tiny'}",
+                        "launch": launch, "optim": args.optim}
+
+
+def engine_states(shape: ModelShape, run: Run, launch: dict, optim: str) -> tuple[str, float] | None:
+    """Per-GPU model states under a sharding config (ZeRO, FSDP2: the options table's bytes); None for one GPU or
+    DDP, where `peak_memory` counts them itself."""
+    name = launch["config"].get("file", "")
+    if launch["config"].get("distributed_type", "NO") in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        return None
+    if run.method != "full fine-tuning":
+        fail(f"{name}: the estimate for --use_peft covers one GPU and DDP (each GPU holding the whole base)")
+    flags = "--optim adamw_8bit" if optim in EIGHT_BIT else ""
+    rows = [o for o in options(shape, launch["num_processes"], min(launch["num_processes"], 8)) if o.config == name]
+    if not rows:
+        fail(f"{name}: not a config of accelerate_configs/ the estimate knows")
+    option = next((o for o in rows if o.flags == flags), rows[0])
+    return f"model states ({option.what}, {launch['num_processes']} GPUs)", option.states
+
+
+def command_answer(command: list[str], gpu_memory_gb: float, device: str = "cuda") -> dict:
+    """One answer for the exact command: the peak per GPU, the parts it is made of (they add up to it), where it
+    happens and whether it fits a GPU of `gpu_memory_gb`."""
+    shape, run, about = command_run(command, device)
+    parts = {k: v for k, v in peak_memory(shape, run).items() if k != "total"}
+    sharded = engine_states(shape, run, about["launch"], about["optim"])
+    if sharded:
+        parts = {sharded[0]: sharded[1], **{k: v for k, v in parts.items() if k not in MODEL_STATES}}
+    total = sum(parts.values())
+    moment = "the loss's backward" if "logits" in parts else "a decoder layer's backward"
+    return {"peak_bytes": round(total), "parts": {k: round(v) for k, v in parts.items()}, "at": moment,
+            "gpu_memory_bytes": round(gpu_memory_gb * GB), "usable_bytes": round(HEADROOM * gpu_memory_gb * GB),
+            "fits": fits(total, gpu_memory_gb * GB), "recipe": about["recipe"], "model": about["model"],
+            "parameters": shape.params, "method": run.method, "tokens_per_micro_batch": run.seq * run.batch,
+            "activation_memory": run.mode, "chunked_loss": run.chunked,
+            "processes": about["launch"]["num_processes"]}
+
+
+def command_report(answer: dict) -> str:
+    """`command_answer` as text: the peak, its parts, the verdict (no line contradicts another: the parts are the
+    peak's own and add up to it)."""
+    gib = 2**30
+    lines = [f"{answer['recipe']}, {answer['model']} ({answer['parameters'] / 1e9:.3g}B parameters), "
+             f"{answer['method']}, {answer['tokens_per_micro_batch']:,} tokens per micro-batch, activation memory "
+             f"{answer['activation_memory']}, {'chunked' if answer['chunked_loss'] else 'full'} logits, "
+             f"{answer['processes']} process(es)",
+             f"Peak per GPU: {answer['peak_bytes'] / gib:.2f} GiB ({answer['peak_bytes'] / GB:.2f} GB), at "
+             f"{answer['at']}; made of:"]
+    width = max(len(k) for k in answer["parts"])
+    lines += [f"  {k:{width}s} {v / gib:8.3f} GiB" for k, v in answer["parts"].items()]
+    lines += [f"  {'total':{width}s} {answer['peak_bytes'] / gib:8.3f} GiB",
+              f"Fits a {answer['gpu_memory_bytes'] / GB:g} GB GPU (90 % of it usable, "
+              f"{answer['usable_bytes'] / GB:.1f} GB): {'yes' if answer['fits'] else 'no'}. An estimate: check "
+              "peak_memory_bytes in metrics.jsonl after a few steps."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """The table view, or with `-- <command>` one answer for that command (`--json`: as one JSON object)."""
+    if "--" not in argv:
+        print(report(parse_args(argv)))
+        return
+    ours, command = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    parser = ArgumentParser(description="The peak memory per GPU of one exact command.")
+    parser.add_argument("--gpu_memory_gb", type=float, default=80, help="Memory of one GPU, for the verdict.")
+    parser.add_argument("--json", action="store_true", help="Print the answer as one JSON object (peak_bytes, ...).")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="Where the run computes: a GPU (cuda), or a CPU, whose kernels keep other buffers (the "
+                             "tests compare a CPU's profiled peak with this).")
+    args = parser.parse_args(ours)
+    if not (math.isfinite(args.gpu_memory_gb) and args.gpu_memory_gb > 0):
+        fail(f"--gpu_memory_gb must be a finite number > 0 (got {args.gpu_memory_gb})")
+    answer = command_answer(command, args.gpu_memory_gb, args.device)
+    print(json.dumps(answer) if args.json else command_report(answer))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -475,4 +679,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    print(report(parse_args()))
+    main(sys.argv[1:])

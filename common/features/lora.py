@@ -116,6 +116,8 @@ def add_adapter(args: argparse.Namespace, accelerator: Accelerator, model, task_
         keep_4bit_layout(model)
     model = get_peft_model(model, lora_config(args, task_type))
     model.peft_config["default"].base_model_name_or_path = base_model_name(args.model_name_or_path)
+    if accelerator.native_amp:
+        keep_adapter_inputs_16bit(model)
     if keep_only_trainable_weights not in save_state_pre_hooks(accelerator):  # once per accelerator
         accelerator.register_save_state_pre_hook(keep_only_trainable_weights)
         accelerator.register_load_state_pre_hook(load_trainable_weights)
@@ -136,6 +138,20 @@ def keep_4bit_layout(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def keep_adapter_inputs_16bit(model: nn.Module) -> None:
+    """Under autocast (accelerate's bf16/fp16 `native_amp`), no fp32 copy of an adapter's input: peft's LoRA linear
+    casts its 16-bit input to the fp32 adapter's dtype, drops out in fp32, and autocast casts it back to 16 bits for
+    the adapter's matmul, which computes the same 16-bit product either way; the copy and its dropout output were
+    8 bytes per input feature alive in every adapter's forward and backward (docs/lora.md, precision). peft's own
+    4-bit layers already skip the cast under autocast; this is peft's switch (`peft.helpers.disable_input_dtype_casting`
+    sets it for a block) set for the run. Only under autocast: without it an fp32 adapter needs fp32 inputs."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
 
 
 def trainable_names(model: nn.Module) -> set[str]:
