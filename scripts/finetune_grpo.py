@@ -37,7 +37,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from common.accumulation import backward_loss
 from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
-from common.errors import fail, fail_on_every_rank
+from common.errors import fail_on_every_rank
 from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
@@ -45,8 +45,8 @@ from common.inputs.data import check_data_files
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
 from common.inputs.policy import disable_dropout, frozen_copy, reference_forward, token_logps
-from common.inputs.prompts import (DEFAULT_REWARDS, GroupSampler, RewardError, load_prompt_data, load_reward_funcs,
-                                   score)
+from common.inputs.prompts import GroupSampler, RewardError, check_grpo_flags, load_prompt_data, score
+from common.inputs.rollouts import GroupMetrics, nan_group_stats, nan_std, training_batch
 from common.inputs.sampling import sample, warpers
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
@@ -76,7 +76,6 @@ from common.features.sequence_parallel import refuse_sequence_parallel  # featur
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "max_seq_length", "num_generations", "max_completion_length")  # a resume keeps them
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
-TOKEN_FIGURES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,36 +119,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_peft_flags(args)  # feature: lora
     check_grpo_flags(args)
     return args
-
-
-def check_grpo_flags(args: argparse.Namespace) -> None:
-    """One line for a GRPO flag that cannot work, before any model or data work; the reward functions are loaded."""
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
-    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    problems = [
-        (args.num_generations < 2, f"--num_generations must be at least 2 (got {args.num_generations}): "
-                                   "advantages compare the completions of a prompt"),
-        (completions % args.num_generations != 0,
-         f"the global batch ({args.per_device_train_batch_size} completions x {args.gradient_accumulation_steps} "
-         f"accumulation x {processes} processes = {completions}) must be a multiple of --num_generations "
-         f"{args.num_generations}"),
-        (not 0 < args.epsilon < math.inf or not 0 < args.epsilon_high < math.inf,
-         f"--epsilon and --epsilon_high must be finite numbers > 0 (got {args.epsilon}, {args.epsilon_high})"),
-        (not 0 <= args.beta < math.inf, f"--beta must be a finite number >= 0 (got {args.beta})"),
-        (not 0 < args.temperature < math.inf, f"--temperature must be a finite number > 0 (got {args.temperature})"),
-        (not 0 < args.top_p <= 1, f"--top_p must be in (0, 1] (got {args.top_p})"),
-        (args.top_k < 0 or not 0 <= (args.min_p or 0) < 1, "--top_k must be >= 0 and --min_p in [0, 1)"),
-        (args.max_completion_length < 1 or args.num_iterations < 1,
-         "--max_completion_length and --num_iterations must be at least 1"),
-    ]
-    for bad, message in problems:
-        if bad:
-            fail(message)
-    args.reward_funcs_loaded = load_reward_funcs(args.reward_funcs) if args.reward_funcs else list(DEFAULT_REWARDS)
-    count = len(args.reward_funcs_loaded)
-    if args.reward_weights and len(args.reward_weights) != count:
-        fail(f"--reward_weights has {len(args.reward_weights)} weights for {count} reward functions")
 
 
 def main() -> None:
@@ -250,62 +219,48 @@ class Rollouts:
         with self.accelerator.autocast():
             out = sample(self.accelerator.unwrap_model(model), [row["prompt_ids"] for row in rows], keys,
                          self.args.max_completion_length, self.filters, pad, eos, self.synced)
-        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
-        labels = torch.cat([torch.full_like(out["prompt_ids"], -100),
-                            out["completion_ids"].masked_fill(out["completion_mask"] == 0, -100)], 1)
-        batch = {"input_ids": torch.cat([out["prompt_ids"], out["completion_ids"]], 1), "attention_mask": mask,
-                 "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "labels": labels,
-                 "prompt_length": out["prompt_ids"].shape[1], "truncated": out["truncated"],
-                 "prompt_index": torch.tensor([row["index"] for row in rows], device=mask.device),
-                 "completion_mask": out["completion_mask"] * (~out["truncated"]).unsqueeze(1)
-                 if self.args.mask_truncated_completions else out["completion_mask"]}
+        batch = training_batch(out, [row["index"] for row in rows], self.args.mask_truncated_completions)
         ids = [c[:int(m.sum())].tolist() for c, m in zip(out["completion_ids"], out["completion_mask"])]
         texts = [self.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
         raw = [{**self.raw[split][row["index"]], "__index__": row["index"]} for row in rows]
         if not isinstance(raw[0][self.args.prompt_column], str):
             texts = [[{"role": "assistant", "content": text}] for text in texts]
         try:
-            batch["rewards"] = score(self.funcs, raw, self.args.prompt_column, texts, ids).to(mask.device)
+            batch["rewards"] = score(self.funcs, raw, self.args.prompt_column, texts, ids).to(batch["labels"].device)
         except RewardError as e:
             fail_on_every_rank(self.accelerator, str(e))
         return batch
 
     def advantages(self, batches: list[dict]) -> None:
-        """Rewards of the step's completions on all processes (weighted sum of the functions; NaN: none scored it),
-        minus their group's mean, divided by the group's std (`group`), the batch's (`batch`) or 1 (`none`); an
-        unscorable completion's advantage is 0. Each batch gets its own rows' `advantages`."""
+        """The rewards of the step's completions on all processes (groups may span micro-batches and processes) ->
+        `group_advantages`; each batch gets its own rows'."""
         local = torch.cat([b["rewards"] for b in batches])
         groups = torch.cat([b["prompt_index"] for b in batches])
         rewards_all = self.accelerator.gather(local)
         groups_all = self.accelerator.gather(groups)
-        total = (rewards_all.nan_to_num() * self.weights.to(local.device)).sum(1)
-        total[rewards_all.isnan().all(1)] = math.nan
-        _, group = groups_all.unique(return_inverse=True)
-        mean, std = nan_group_stats(total, group)
-        scale = {"group": std + 1e-4, "batch": nan_std(total) + 1e-4, "none": torch.ones_like(std)}
-        advantages = ((total - mean) / scale[self.args.scale_rewards]).nan_to_num(0.0)
-        self.metrics.add_rewards(rewards_all, total, std, group, self.funcs)
+        total = weighted_sum(rewards_all, self.weights)
+        advantages, std = group_advantages(total, groups_all, self.args.scale_rewards)
+        self.metrics.add_rewards(rewards_all, total, std, groups_all.unique(return_inverse=True)[1])
         start = self.accelerator.process_index * len(local)
         for b in batches:
             b["advantages"] = advantages[start:start + len(b["rewards"])].float()
             start += len(b["rewards"])
 
 
-def nan_group_stats(values: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per element: its group's mean and unbiased std over the group's values that are not NaN."""
-    known = ~values.isnan()
-    count = torch.zeros(int(group.max()) + 1, dtype=values.dtype, device=values.device).index_add_(0, group,
-                                                                                                    known.double())
-    sums = torch.zeros_like(count).index_add_(0, group, values.nan_to_num())
-    mean = (sums / count)[group]
-    squares = torch.zeros_like(count).index_add_(0, group, ((values - mean) ** 2).nan_to_num())
-    return mean, (squares / (count - 1)).sqrt()[group]
+def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(completions x functions) -> the weighted sum per completion over the functions that scored it; NaN where
+    none did (TRL's sum of the weighted rewards, NaN-aware)."""
+    total = (rewards.nan_to_num() * weights.to(rewards.device)).sum(1)
+    return total.masked_fill(rewards.isnan().all(1), math.nan)
 
 
-def nan_std(values: torch.Tensor) -> torch.Tensor:
-    """The unbiased std of the values that are not NaN."""
-    known = values[~values.isnan()]
-    return known.std() if len(known) > 1 else values.new_tensor(math.nan)
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale_rewards: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, each completion's group std): reward minus its group's mean, divided by the group's std + 1e-4
+    (`group`), the batch's (`batch`) or 1 (`none`); NaN rewards are left out of the statistics, their advantage 0."""
+    mean, std = nan_group_stats(rewards, groups.unique(return_inverse=True)[1])
+    scale = {"group": std + 1e-4, "batch": nan_std(rewards) + 1e-4, "none": torch.ones_like(std)}[scale_rewards]
+    return ((rewards - mean) / scale).nan_to_num(0.0), std
 
 
 # ---- the loss: TRL's clipped per-token objective, k3 KL, four ways to average -------------------------------------
@@ -370,69 +325,6 @@ def grpo_forward(model, batch: dict, args, num_items: torch.Tensor) -> ModelOutp
                        figures=figures.double())
 
 
-class GroupMetrics:
-    """The metrics (TRL's names) since the last logged row, summed on the device: token figures from the loss on
-    every process; rewards, lengths and generation time from the rollouts (rewards gathered: the main process
-    alone adds them). `row()` is the step log's `row_extras` (collective)."""
-
-    def __init__(self, accelerator, args) -> None:
-        self.accelerator, self.beta = accelerator, args.beta
-        self.names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(args.reward_funcs_loaded)]
-        # tokens + TOKEN_FIGURES; completions, lengths, truncated, seconds; scored, reward sum, groups, group std
-        # sum, zero-std groups; per function: scored, sum, sum of squares
-        self.sums = torch.zeros(6 + 4 + 5 + 3 * len(self.names), dtype=torch.float64, device=accelerator.device)
-        self.extremes = torch.tensor([math.inf, -math.inf], device=accelerator.device)  # lengths (not carried)
-
-    def add(self, outputs: ModelOutput) -> None:
-        self.sums[:6] += outputs.figures
-
-    def add_generation(self, batches: list[dict], seconds: float) -> None:
-        lengths = torch.cat([b["completion_mask"].sum(1) for b in batches]).double()
-        truncated = torch.cat([b["truncated"] for b in batches]).double()
-        self.sums[6:10] += torch.stack([lengths.new_tensor(len(lengths)), lengths.sum(), truncated.sum(),
-                                        lengths.new_tensor(seconds)])
-        self.extremes = torch.stack([self.extremes[0].minimum(lengths.min()), self.extremes[1].maximum(lengths.max())])
-
-    def add_rewards(self, rewards: torch.Tensor, total: torch.Tensor, std: torch.Tensor, group: torch.Tensor,
-                    funcs: list) -> None:
-        if not self.accelerator.is_main_process:
-            return
-        known = ~total.isnan()
-        first = torch.zeros(int(group.max()) + 1, dtype=torch.long, device=group.device).scatter_(
-            0, group.flip(0), torch.arange(len(group), device=group.device).flip(0))  # one element per group
-        group_std = std[first]
-        figures = [known.sum(), total.nan_to_num().sum(), total.new_tensor(len(first)), group_std.nan_to_num().sum(),
-                   (group_std.nan_to_num() < 1e-8).sum()]
-        for j in range(rewards.shape[1]):
-            scored = rewards[:, j][~rewards[:, j].isnan()]
-            figures += [scored.new_tensor(len(scored)), scored.sum(), (scored ** 2).sum()]
-        self.sums[10:] += torch.stack([f.double() for f in figures])
-
-    def row(self) -> dict:
-        tokens, low, high, region, kl, entropy, completions, length, truncated, seconds, scored, reward, groups, \
-            group_std, zero_std, *per_function = self.accelerator.reduce(self.sums, "sum").tolist()
-        extremes = self.accelerator.gather(self.extremes).view(-1, 2)
-        self.sums.zero_()
-        self.extremes = torch.tensor([math.inf, -math.inf], device=self.accelerator.device)
-        row = {"reward": reward / max(scored, 1), "reward_std": group_std / max(groups, 1),
-               "frac_reward_zero_std": zero_std / max(groups, 1)}
-        for name, (n, total, squares) in zip(self.names, zip(*[iter(per_function)] * 3)):
-            mean = total / max(n, 1)
-            row[f"rewards/{name}/mean"] = mean
-            row[f"rewards/{name}/std"] = math.sqrt(max(squares - n * mean ** 2, 0) / (n - 1)) if n > 1 else 0.0
-        row.update({"completions/mean_length": length / max(completions, 1),
-                    "completions/min_length": extremes[:, 0].min().item(),
-                    "completions/max_length": extremes[:, 1].max().item(),
-                    "completions/clipped_ratio": truncated / max(completions, 1),
-                    **{name: value / max(tokens, 1) for name, value in zip(TOKEN_FIGURES, (low, high, region, kl,
-                                                                                           entropy))},
-                    "generation_seconds": seconds / self.accelerator.num_processes,
-                    "generation_tokens_per_second": length / max(seconds / self.accelerator.num_processes, 1e-9)})
-        if not self.beta:
-            row.pop("kl")
-        return row
-
-
 @torch.no_grad()
 def evaluate_grpo(model, rollouts: Rollouts, dataloader, accelerator, args) -> dict[str, float]:
     """Mean reward (in all and per function) of one sampled completion per held-out prompt, at the run's temperature,
@@ -491,7 +383,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    metrics = GroupMetrics(accelerator, args)
+    metrics = GroupMetrics(accelerator, args.reward_funcs_loaded, args.beta)
     rollouts = Rollouts(args, accelerator, tokenizer, raw, data, build_reference(
         args, config, accelerator, model, len(tokenizer)), metrics)
     accelerator.register_for_checkpointing(rollouts)  # a round of --num_iterations steps resumes on its completions
@@ -500,9 +392,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     log.row_extras = metrics.row
     log.carry(metrics.sums)  # a resumed run's first row counts the completions before the checkpoint
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; {steps_per_epoch} "
-                f"optimizer steps per epoch, {total_steps} in all; global batch "
-                f"{args.per_device_train_batch_size * ga * accelerator.num_processes} completions, "
-                f"{args.num_generations} per prompt")
+                f"optimizer steps per epoch, {total_steps} in all, {args.num_generations} completions per prompt")
 
     # ---- training loop: generate and score the step's completions, then the clipped loss over all of them ---------
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard

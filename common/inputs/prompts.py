@@ -121,6 +121,38 @@ class RewardError(Exception):
     """A reward function's misuse, said in one line by the recipe on every process."""
 
 
+def check_grpo_flags(args: argparse.Namespace) -> None:
+    """One line for a GRPO flag that cannot work, before any model or data work; the reward functions are loaded."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    problems = [
+        (args.num_generations < 2, f"--num_generations must be at least 2 (got {args.num_generations}): "
+                                   "advantages compare the completions of a prompt"),
+        (completions % args.num_generations != 0,
+         f"the global batch ({args.per_device_train_batch_size} completions x {args.gradient_accumulation_steps} "
+         f"accumulation x {processes} processes = {completions}) must be a multiple of --num_generations "
+         f"{args.num_generations}"),
+        (not 0 < args.epsilon < math.inf or not 0 < args.epsilon_high < math.inf,
+         f"--epsilon and --epsilon_high must be finite numbers > 0 (got {args.epsilon}, {args.epsilon_high})"),
+        (not 0 <= args.beta < math.inf, f"--beta must be a finite number >= 0 (got {args.beta})"),
+        (not 0 < args.temperature < math.inf, f"--temperature must be a finite number > 0 (got {args.temperature})"),
+        (not 0 < args.top_p <= 1, f"--top_p must be in (0, 1] (got {args.top_p})"),
+        (args.top_k < 0 or not 0 <= (args.min_p or 0) < 1, "--top_k must be >= 0 and --min_p in [0, 1)"),
+        (args.max_completion_length < 1 or args.num_iterations < 1,
+         "--max_completion_length and --num_iterations must be at least 1"),
+    ]
+    for bad, message in problems:
+        if bad:
+            fail(message)
+    if not args.reward_funcs and (args.train_file or args.dataset_name):
+        fail("no reward function: pass --reward_funcs FILE.py:NAME ... (the built-in rewards score the default task)")
+    args.reward_funcs_loaded = load_reward_funcs(args.reward_funcs) if args.reward_funcs else list(DEFAULT_REWARDS)
+    count = len(args.reward_funcs_loaded)
+    if args.reward_weights and len(args.reward_weights) != count:
+        fail(f"--reward_weights has {len(args.reward_weights)} weights for {count} reward functions")
+
+
 # ---- prompt rows ---------------------------------------------------------------------------------------------------
 def load_prompt_data(args: argparse.Namespace, accelerator, config, resume_from: str | None):
     """(tokenizer, raw splits, tokenized splits with `prompt_ids` and `index`). Rows are checked before the tokenizer
