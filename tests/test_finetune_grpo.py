@@ -397,3 +397,19 @@ def test_the_toy_task_is_learned(grpo):
     assert sum(rewards[-2:]) / 2 - sum(rewards[:2]) / 2 > 0.25, rewards
     with open(os.path.join(out, "all_results.json")) as f:
         assert json.load(f)["eval_reward"] > 0.3
+
+
+def test_a_copy_without_its_features_trains_exactly_as_the_original(grpo, one_process, tmp_path):
+    """tools/copy_recipe.py removes every `# feature:` line: the copy imports no feature and trains bit for bit as
+    the original does without those flags."""
+    from tools.copy_recipe import common_modules, strip_features
+
+    copy = tmp_path / "my_grpo.py"
+    copy.write_text(strip_features(open(os.path.join(SCRIPTS, "finetune_grpo.py")).read()))
+    assert not any(".features" in name for name in common_modules(copy.read_text()))
+    out = str(tmp_path / "copy")
+    command = grpo_command(grpo, out, 6)
+    run_script(str(copy), *command[2:], "--per_device_train_batch_size", "8",
+               env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
+    assert train_losses(out) == train_losses(one_process)
+    assert max_difference(weights(out), weights(one_process)) == 0
