@@ -45,7 +45,8 @@ from common.inputs.data import check_data_files
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
 from common.inputs.policy import disable_dropout, frozen_copy, reference_forward, token_logps
-from common.inputs.prompts import GroupSampler, RewardError, check_grpo_flags, load_prompt_data, score
+from common.inputs.prompts import (GroupSampler, RewardError, check_grpo_flags, load_prompt_data, reward_functions,
+                                   score)
 from common.inputs.rollouts import GroupMetrics, nan_group_stats, nan_std, training_batch
 from common.inputs.sampling import sample, warpers
 from common.lifecycle import RunLifecycle, finish
@@ -118,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_compile_flags(args)  # feature: torch compile
     check_peft_flags(args)  # feature: lora
     check_grpo_flags(args)
+    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # TRL's None: = epsilon
+    args.reward_functions = reward_functions(args)
     return args
 
 
@@ -172,7 +175,7 @@ class Rollouts:
     def __init__(self, args, accelerator, tokenizer, raw, data, reference_logps, metrics) -> None:
         self.args, self.accelerator, self.tokenizer, self.raw, self.data = args, accelerator, tokenizer, raw, data
         self.reference_logps, self.metrics, self.kept, self.round = reference_logps, metrics, [], None
-        self.funcs = args.reward_funcs_loaded
+        self.funcs = args.reward_functions
         self.weights = torch.tensor(args.reward_weights or [1.0] * len(self.funcs), dtype=torch.float64)
         self.filters = warpers(args.temperature, args.top_k, args.top_p, args.min_p)
         engine = accelerator.distributed_type
@@ -383,7 +386,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    metrics = GroupMetrics(accelerator, args.reward_funcs_loaded, args.beta)
+    metrics = GroupMetrics(accelerator, args.reward_functions, args.beta)
     rollouts = Rollouts(args, accelerator, tokenizer, raw, data, build_reference(
         args, config, accelerator, model, len(tokenizer)), metrics)
     accelerator.register_for_checkpointing(rollouts)  # a round of --num_iterations steps resumes on its completions

@@ -122,10 +122,10 @@ class RewardError(Exception):
 
 
 def check_grpo_flags(args: argparse.Namespace) -> None:
-    """One line for a GRPO flag that cannot work, before any model or data work; the reward functions are loaded."""
+    """One line for a GRPO flag that cannot work, before any model or data work."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
-    args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     problems = [
         (args.num_generations < 2, f"--num_generations must be at least 2 (got {args.num_generations}): "
                                    "advantages compare the completions of a prompt"),
@@ -133,8 +133,8 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
          f"the global batch ({args.per_device_train_batch_size} completions x {args.gradient_accumulation_steps} "
          f"accumulation x {processes} processes = {completions}) must be a multiple of --num_generations "
          f"{args.num_generations}"),
-        (not 0 < args.epsilon < math.inf or not 0 < args.epsilon_high < math.inf,
-         f"--epsilon and --epsilon_high must be finite numbers > 0 (got {args.epsilon}, {args.epsilon_high})"),
+        (not 0 < args.epsilon < math.inf or not 0 < epsilon_high < math.inf,
+         f"--epsilon and --epsilon_high must be finite numbers > 0 (got {args.epsilon}, {epsilon_high})"),
         (not 0 <= args.beta < math.inf, f"--beta must be a finite number >= 0 (got {args.beta})"),
         (not 0 < args.temperature < math.inf, f"--temperature must be a finite number > 0 (got {args.temperature})"),
         (not 0 < args.top_p <= 1, f"--top_p must be in (0, 1] (got {args.top_p})"),
@@ -145,12 +145,17 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
     for bad, message in problems:
         if bad:
             fail(message)
+
+
+def reward_functions(args: argparse.Namespace) -> list[Callable]:
+    """--reward_funcs loaded and checked (the default task's two rewards without data flags), --reward_weights
+    counted against them: one line otherwise, before any model or data work."""
     if not args.reward_funcs and (args.train_file or args.dataset_name):
         fail("no reward function: pass --reward_funcs FILE.py:NAME ... (the built-in rewards score the default task)")
-    args.reward_funcs_loaded = load_reward_funcs(args.reward_funcs) if args.reward_funcs else list(DEFAULT_REWARDS)
-    count = len(args.reward_funcs_loaded)
-    if args.reward_weights and len(args.reward_weights) != count:
-        fail(f"--reward_weights has {len(args.reward_weights)} weights for {count} reward functions")
+    funcs = load_reward_funcs(args.reward_funcs) if args.reward_funcs else list(DEFAULT_REWARDS)
+    if args.reward_weights and len(args.reward_weights) != len(funcs):
+        fail(f"--reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward functions")
+    return funcs
 
 
 # ---- prompt rows ---------------------------------------------------------------------------------------------------
