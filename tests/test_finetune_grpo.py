@@ -175,35 +175,41 @@ def recipe_loss(grpo_script, model, case: dict, advantages: torch.Tensor, micro_
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
 def test_loss_and_gradient_equal_the_definitions(loss_type):
-    """For each reward scaling, μ = 1 (ratio 1, no clipping) and μ = 2 with clipping on (epsilon 0.2 / 0.28: some
-    tokens clipped) and off, beta 0 and 0.04 (k3 KL to the reference), truncated completions kept or masked: the
-    recipe's loss and gradient on two micro-batches whose groups span both equal TRL's definitions written out
-    one sequence at a time (1e-6). A None reward is left out of its group and gets advantage 0."""
+    """The advantages of each reward scaling equal mean and stdev written out (a None reward is left out of its
+    group and gets advantage 0). For μ = 1 (ratio 1, no clipping) and μ = 2 with clipping on (epsilon 0.2 / 0.28:
+    some tokens clipped) and off, each with beta 0 and 0.04 (k3 KL to the reference) and truncated completions
+    kept or masked, each scaling in turn: the recipe's loss and gradient on two micro-batches whose groups span both
+    equal TRL's definitions written out one sequence at a time (1e-6)."""
     grpo_script = load_script("finetune_grpo")
     model = tiny_policy()
     micro_batches = [[0, 1, 2], [3, 4, 5]]
     groups = torch.tensor([p for p, _ in COMPLETIONS])
     rewards = torch.tensor([math.nan if r is None else r for r in REWARDS_GIVEN], dtype=torch.float64)
-    clipped_somewhere = False
+    advantages = {}
     for scale in ("group", "batch", "none"):
-        advantages, _ = grpo_script.group_advantages(rewards, groups, scale)
-        assert advantages.tolist() == pytest.approx(plain_advantages(scale), abs=1e-9)
-        for mu, epsilon, epsilon_high in ((1, 0.2, 0.2), (2, 0.2, 0.28), (2, 1e3, 1e3)):
-            for beta, mask_truncated in ((0.0, False), (0.04, False), (0.04, True)):
-                case = dict(loss_type=loss_type, mu=mu, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
-                            mask_truncated=mask_truncated, temperature=0.7)
-                model.zero_grad()
-                expected = plain_loss(model, case, advantages.tolist(), micro_batches)
-                expected.backward()
-                want = [p.grad.clone() for p in model.parameters()]
-                model.zero_grad()
-                got = recipe_loss(grpo_script, model, case, advantages, micro_batches)
-                got.backward()
-                assert got.item() == pytest.approx(expected.item(), abs=1e-6), case
-                assert max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want)) < 1e-6, case
-                clipped_somewhere |= mu == 2 and epsilon < 1 and abs(got.item() - recipe_loss(
-                    grpo_script, model, {**case, "epsilon": 1e3, "epsilon_high": 1e3}, advantages,
-                    micro_batches).item()) > 1e-4
+        advantages[scale], _ = grpo_script.group_advantages(rewards, groups, scale)
+        assert advantages[scale].tolist() == pytest.approx(plain_advantages(scale), abs=1e-9)
+    clipped_somewhere = False
+    cases = [(mu, epsilon, epsilon_high, beta, mask_truncated)
+             for mu, epsilon, epsilon_high in ((1, 0.2, 0.2), (2, 0.2, 0.28), (2, 1e3, 1e3))
+             for beta, mask_truncated in ((0.0, False), (0.04, False), (0.04, True))]
+    for number, (mu, epsilon, epsilon_high, beta, mask_truncated) in enumerate(cases):
+        scale = ("group", "batch", "none")[number % 3]  # each scaling meets every μ and clipping case once
+        case = dict(loss_type=loss_type, mu=mu, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+                    mask_truncated=mask_truncated, temperature=0.7, scale=scale)
+        model.zero_grad()
+        expected = plain_loss(model, case, plain_advantages(scale), micro_batches)
+        expected.backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        got = recipe_loss(grpo_script, model, case, advantages[scale], micro_batches)
+        got.backward()
+        assert got.item() == pytest.approx(expected.item(), abs=1e-6), case
+        assert max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want)) < 1e-6, case
+        if mu == 2 and epsilon < 1:
+            unclipped = recipe_loss(grpo_script, model, {**case, "epsilon": 1e3, "epsilon_high": 1e3},
+                                    advantages[scale], micro_batches)
+            clipped_somewhere |= abs(got.item() - unclipped.item()) > 1e-4
     assert clipped_somewhere  # the clipped cases did clip
 
 
