@@ -141,6 +141,7 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
         (args.top_k < 0 or not 0 <= (args.min_p or 0) < 1, "--top_k must be >= 0 and --min_p in [0, 1)"),
         (args.max_completion_length < 1 or args.num_iterations < 1,
          "--max_completion_length and --num_iterations must be at least 1"),
+        (args.group_by_length, "--group_by_length does not apply: a step's batches are groups of completions"),
     ]
     for bad, message in problems:
         if bad:
