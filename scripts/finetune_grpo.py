@@ -269,10 +269,8 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale_rewards:
 # ---- the loss: TRL's clipped per-token objective, k3 KL, four ways to average -------------------------------------
 def completion_logps(model, batch: dict, temperature: float, with_entropy: bool = False):
     """Per completion position: the token's log-probability under the policy's logits / temperature (and the
-    entropy there)."""
-    start = batch["prompt_length"] - 1  # the position that predicts the completion's first token
-    out = token_logps(model, batch, temperature, with_entropy)
-    return tuple(x[:, start:] for x in out) if with_entropy else out[:, start:]
+    entropy there); logits are computed from the position that predicts the completion's first token on."""
+    return token_logps(model, batch, temperature, with_entropy, first=batch["prompt_length"] - 1)
 
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,

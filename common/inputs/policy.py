@@ -13,14 +13,16 @@ import torch.nn.functional as F
 from common.inputs.modeling import build_causal_lm
 
 
-def token_logps(model, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-    """Per row and position t: the log-probability of token t + 1 where `labels` keeps it (0 where it is -100), in
-    fp32, from logits divided by `temperature` (GRPO scores a completion under the distribution it was sampled from).
-    `position_ids`, when the batch has them, place left-padded rows. With `with_entropy`: also each position's
-    entropy of that distribution."""
-    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
+def token_logps(model, batch: dict, temperature: float = 1.0, with_entropy: bool = False, first: int = 0):
+    """Per row and position t >= `first`: the log-probability of token t + 1 where `labels` keeps it (0 where it is
+    -100), in fp32, from logits divided by `temperature` (GRPO scores a completion under the distribution it was
+    sampled from). `first` > 0: the model computes the logits of those positions only (`logits_to_keep`: a GRPO
+    prompt's positions predict nothing to learn). `position_ids`, when the batch has them, place left-padded rows.
+    With `with_entropy`: also each position's entropy of that distribution."""
+    targets = batch["labels"][:, first + 1:]  # position t predicts token t + 1
+    keep = {"logits_to_keep": batch["input_ids"].shape[1] - first} if first else {}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch.get("position_ids"), use_cache=False).logits[:, :-1].float()
+                   position_ids=batch.get("position_ids"), use_cache=False, **keep).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     logps = -F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
