@@ -170,6 +170,8 @@ def load_prompt_data(args: argparse.Namespace, accelerator, config, resume_from:
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
     raw = load_raw_datasets(args, columns={args.prompt_column: "--prompt_column"},
                             check_rows=lambda raw: find_unusable_prompt(raw, args.prompt_column))
+    if default:  # a prompt ending in a lone newline token is one the SFT model never saw: it would stop at once
+        raw = raw.map(lambda row: {"prompt": row["prompt"].rstrip("\n")}, desc="Prompts without their last newline")
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     if not isinstance(raw["train"][0][args.prompt_column], str) and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.prompt_column}') but the tokenizer has no chat template: use "
