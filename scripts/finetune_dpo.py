@@ -20,7 +20,7 @@ by the window's pair count (common/accumulation.py's mechanism, with pairs for t
 
 Reference: a second copy of the pretrained model, frozen, in eval mode, on the run's engine; with --use_peft the
 policy itself with its adapter disabled; with --precompute_ref_log_probs its log-probabilities computed once before
-training (a checksummed --cache_dir entry keyed by content: common/features/dpo_reference.py) and the reference freed.
+training (a checksummed --cache_dir entry keyed by content: common/features/reference.py) and the reference freed.
 Dropout is off in both models unless --keep_dropout. Pairs are read, checked and collated in common/inputs/pairs.py.
 """
 
@@ -55,6 +55,7 @@ from common.inputs.data import check_data_files
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
 from common.inputs.pairs import PairCollator, check_chat_template, load_preference_data
+from common.inputs.policy import disable_dropout, frozen_copy, reference_forward, sequence_logps
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -67,8 +68,8 @@ from common.features.compile import (add_compile_args, check_compile_flags, comp
                                      compile_model)  # feature: torch compile
 from common.features.cpu_threads import use_all_cores  # feature: cpu threads
 from common.features.deepspeed_check import check_deepspeed_config  # feature: deepspeed check
-from common.features.dpo_reference import precompute_reference  # feature: precomputed reference
-from common.features.dpo_reference import shard_reference  # feature: sharded reference
+from common.features.reference import precompute_reference  # feature: precomputed reference
+from common.features.reference import shard_reference  # feature: sharded reference
 from common.features.divergence import (NonFiniteGuard, add_divergence_args, check_divergence_flags,
                                         export_if_finite, finite_weights)  # feature: divergence guard
 from common.features.disk import explain_full_disk, stop_if_disk_full, stop_on_full_disk  # feature: full disk
@@ -177,19 +178,7 @@ def build_dataloaders(args, accelerator, tokenizer, data):
     return train_dataloader, eval_dataloader, collators
 
 
-# ---- the loss: sequence log-probabilities, the reference, DPO / IPO / hinge --------------------------------------------
-def sequence_logps(model, batch: dict, chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the log-probability of its response tokens, summed, and their number (fp32). `chunked`: from the
-    chunked head (--chunked_cross_entropy), without the batch x sequence x vocabulary logits."""
-    targets = batch["labels"][:, 1:]  # position t predicts token t + 1
-    if chunked:  # feature: chunked loss
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                     per_row_logps=True, use_cache=False).logps, (targets != -100).sum(1)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    per_token = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none")
-    return per_token.sum(1), (targets != -100).sum(1)
-
-
+# ---- the loss: sequence log-probabilities (common/inputs/policy.py), the reference, DPO / IPO / hinge ------------
 def chunked_head(args) -> bool:
     """--chunked_cross_entropy (absent from a copy without that feature)."""
     return getattr(args, "chunked_cross_entropy", False)
@@ -275,8 +264,8 @@ def evaluate_dpo(model, reference_logps, dataloader, accelerator, args) -> dict[
 def build_reference(args, config, accelerator, model, vocab_size: int, data, collators):
     """After `prepare`: batch -> the reference's log-probabilities (`reference_forward`); None with
     --precompute_ref_log_probs, whose values then travel with the batches and whose reference is freed."""
-    reference = load_reference(args, config, accelerator, vocab_size)
-    forward = reference_forward(accelerator, model, reference, chunked_head(args))
+    reference, chunked = load_reference(args, config, accelerator, vocab_size), chunked_head(args)
+    forward = reference_forward(accelerator, model, reference, lambda m, batch: sequence_logps(m, batch, chunked)[0])
     if args.precompute_ref_log_probs:  # feature: precomputed reference
         precompute_reference(args, accelerator, config, forward, data, collators)
         del reference, forward
@@ -286,15 +275,11 @@ def build_reference(args, config, accelerator, model, vocab_size: int, data, col
 
 
 def load_reference(args, config, accelerator, vocab_size: int):
-    """A second copy of the pretrained model (never a deep copy of the policy: under ZeRO-3 and FSDP2 that copies
-    shards and hooks), frozen and in eval mode, placed as the engine needs; None with --use_peft (the policy with
-    its adapter disabled is the reference)."""
+    """The frozen copy of the pretrained model (common/inputs/policy.py), placed as the engine needs; None with
+    --use_peft (the policy with its adapter disabled is the reference)."""
     if args.use_peft:  # feature: lora
         return None
-    unchecked = argparse.Namespace(**{**vars(args), "gradient_checkpointing": False})  # no backward through it
-    reference = build_causal_lm(unchecked, config, vocab_size, dtype=torch.float32)
-    reference.requires_grad_(False)
-    reference.eval()
+    reference = frozen_copy(args, config, vocab_size)
     if args.use_liger_kernel:  # feature: liger kernel
         use_liger_kernel(reference, fused_loss=False)  # the policy's kernels: step 1's log-probabilities are equal
     if args.chunked_cross_entropy:  # feature: chunked loss
@@ -302,34 +287,6 @@ def load_reference(args, config, accelerator, vocab_size: int):
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):  # feature: sharded reference
         return shard_reference(accelerator, reference)
     return reference.to(accelerator.device)
-
-
-def reference_forward(accelerator, model, reference, chunked: bool = False):
-    """batch -> the reference's summed response log-probabilities per row (no gradient, eval mode, the run's
-    precision)."""
-    def forward(batch: dict) -> torch.Tensor:
-        if reference is not None:
-            with accelerator.autocast():
-                return sequence_logps(reference, batch, chunked)[0]
-        module = accelerator.unwrap_model(model)  # feature: lora
-        was_training = module.training  # feature: lora
-        module.eval()  # feature: lora
-        with module.disable_adapter(), accelerator.autocast():  # feature: lora
-            logps = sequence_logps(module, batch, chunked)[0]  # feature: lora
-        module.train(was_training)  # feature: lora
-        return logps  # feature: lora
-    return forward
-
-
-def disable_dropout(model) -> None:
-    """Dropout off, as TRL does by default: every nn.Dropout, and the rates attention layers read from their own
-    attributes (e.g. Llama's `attention_dropout`)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
 
 
 def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:

@@ -225,6 +225,11 @@ FAST = {
                              "test_chunked_head_gives_the_same_loss_and_gradient",
                              "test_the_disabled_adapter_is_the_base_model",
                              "test_an_entry_of_another_base_or_split_under_this_key_is_never_read"},
+    "test_finetune_grpo.py": {"test_loss_and_gradient_equal_the_definitions",
+                              "test_a_completion_depends_only_on_its_key_and_samples_the_distribution",
+                              "test_the_default_rewards_and_a_misused_reward_are_one_line",
+                              "test_bad_flags_are_one_line_before_any_work",
+                              "test_bad_prompts_are_one_line_naming_the_row"},
     "test_finetune_causal_lm.py": {"test_prompt_tokens_are_masked_and_eos_is_learned",
                                    "test_chat_template_trains_on_assistant_turns_only"},
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base",
@@ -258,7 +263,7 @@ def pytest_configure(config) -> None:
 # the two workers end on short files, together, not one on a 2-minute file alone.
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_memory_estimate.py", "test_chunked_loss.py",
                  "test_preemption.py", "test_gpu_suite.py", "test_async_checkpoint.py", "test_distributed.py",
-                 "test_lora_engines.py", "test_pretrain.py", "test_finetune_dpo.py", "test_bad_inputs.py",
+                 "test_lora_engines.py", "test_pretrain.py", "test_finetune_dpo.py", "test_finetune_grpo.py", "test_bad_inputs.py",
                  "test_lora.py", "test_crash_safety.py", "test_init_parity.py", "test_finetune_classifier.py",
                  "test_resume_guard.py", "test_faults.py", "test_benchmark.py", "test_finetune_causal_lm.py",
                  "test_compile.py", "test_activation_memory.py", "test_fsdp.py")

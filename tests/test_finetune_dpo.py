@@ -411,7 +411,8 @@ def test_the_disabled_adapter_is_the_base_model(dpo):
     columns = {key: [r[key] for r in rows] for key in ("prompt", "chosen", "rejected")}
     pairs = tokenize_pairs(columns, list(range(4)), tokenizer, 512, ("prompt", "chosen", "rejected"))
     batch = PairCollator(tokenizer.pad_token_id, 8)([{k: v[i] for k, v in pairs.items()} for i in range(4)])
-    reference = dpo_script.reference_forward(accelerator, model, None)(batch)
+    summed = lambda module, b: dpo_script.sequence_logps(module, b)[0]  # noqa: E731
+    reference = dpo_script.reference_forward(accelerator, model, None, summed)(batch)
     base = AutoModelForCausalLM.from_pretrained(dpo["model"], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = dpo_script.sequence_logps(base, batch)[0]
@@ -644,7 +645,7 @@ def test_a_base_rewritten_in_place_never_reads_the_old_values(dpo, tmp_path):
 
 KILL_WHILE_WRITING = """
 import os, runpy, signal, sys
-import common.features.dpo_reference as reference
+import common.features.reference as reference
 write = reference.write_values
 def write_half_then_die(values, folder):  # SIGKILL halfway through writing the first entry
     write(values, folder)

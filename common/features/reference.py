@@ -1,5 +1,5 @@
-"""The DPO reference's optional parts (scripts/finetune_dpo.py): the frozen copy placed on DeepSpeed and FSDP2 as the
-policy is, and --precompute_ref_log_probs, its values computed once after `prepare` and kept in a cache entry.
+"""The frozen reference's optional parts: the copy placed on DeepSpeed and FSDP2 as the policy is (DPO and GRPO), and
+DPO's --precompute_ref_log_probs, its values computed once after `prepare` and kept in a cache entry.
 
 The entry is a folder of common/inputs/cache.py (written whole or not at all, every file checksummed; a damaged one
 is rebuilt, with one line in the log), keyed by what the values depend on, by content: the base model's weights as
