@@ -63,6 +63,9 @@ from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import (accumulate_slices, check_sequence_parallel, slice_windows,
                                                unsliced)  # feature: sequence parallel
 from common.features.streaming import (add_streaming_args, check_streaming_flags, load_streaming_data)  # feature: streaming
+from common.features.tensor_parallel import (accelerator_for_tensor_parallel, check_tensor_parallel,
+                                             data_parallel_processes, prepare_without_accelerate_tp, shard_model,
+                                             sharding_figures, use_tensor_parallel)  # feature: tensor parallel
 
 logger = get_logger(__name__)
 
@@ -115,10 +118,13 @@ def main() -> None:
         check_liger_kernel(config, fused_loss=True, chunked_cross_entropy=chunked)
     check_deepspeed_config(args)  # feature: deepspeed check
     check_sequence_parallel(args, config, args.block_size)  # feature: sequence parallel
+    check_tensor_parallel(args, config)  # feature: tensor parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
-    accelerator = build_accelerator(args)
+    with accelerator_for_tensor_parallel():  # feature: tensor parallel
+        accelerator = build_accelerator(args)
     use_fsdp2_on_cpu(accelerator)  # feature: fsdp2 on cpu
+    use_tensor_parallel(accelerator)  # feature: tensor parallel
     accumulate_slices(accelerator)  # feature: sequence parallel
     extras = CheckpointExtras()  # what the features below add to checkpoints
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
@@ -161,7 +167,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps
     tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator, resume_from)
-    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, data_parallel_processes(accelerator),
                                                          args.max_steps, args.num_train_epochs, unit="blocks")
     record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
@@ -170,15 +176,18 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     step_flops = flops_per_token(model.config, total_params, full_numel(model.get_input_embeddings().weight),
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
+    model = shard_model(model, accelerator)  # feature: tensor parallel
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    with prepare_without_accelerate_tp(accelerator):  # feature: tensor parallel
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     train_dataloader, eval_dataloader = unsliced(train_dataloader, eval_dataloader)  # feature: sequence parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("pretrain_llama", vars(args)), flops_per_token=step_flops)
     describe_run(args, accelerator, model, train_dataloader, steps_per_epoch, total_steps)
+    sharding = sharding_figures(model, accelerator)  # feature: tensor parallel
 
     # ---- training loop: it ends at total_steps, or returns early on a stop signal or divergence ---------------------
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
@@ -236,7 +245,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS  # a non-finite weight: nothing exported, the reason printed
     results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
-               "num_parameters": total_params}
+               "num_parameters": total_params, **sharding}
     if args.sample_max_new_tokens > 0 and accelerator.is_main_process:
         results["sample"] = generate_sample(args.output_dir, args.sample_prompt, args.sample_max_new_tokens)
         logger.info(f"Sample from the exported model:\n{results['sample']}")
@@ -256,11 +265,11 @@ def exporter(args):
 def describe_run(args, accelerator, model, train_dataloader, steps_per_epoch: int | None, total_steps: int) -> None:
     trainable, total = count_parameters(model)
     blocks = len(train_dataloader.dataset) if steps_per_epoch else "a stream of"
+    sequences = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_processes(accelerator)
     logger.info(f"Model: {total / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
                 f"{blocks} training blocks of {args.block_size} tokens, {steps_per_epoch or 'unknown'} "
                 f"optimizer steps per epoch, {total_steps} in all; global batch "
-                f"{args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes}"
-                " sequences")
+                f"{sequences} sequences")
 
 
 def build_model(args, config, vocab_size: int):

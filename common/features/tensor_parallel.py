@@ -1,0 +1,171 @@
+"""Tensor parallelism (`tp_size` in an accelerate config's `parallelism_config`), alone (accelerate_configs/tp.yaml)
+or under FSDP2 (`dp_shard_size` x `tp_size`, accelerate_configs/fsdp2_tp.yaml): each decoder layer's projections are
+split over the `tp` processes of a group, which see the same batches; the groups shard the rest FSDP2-style.
+
+What is sharded how (torch's public DTensor API, the plan derived from the model's own `base_model_tp_plan`):
+- q/k/v and gate/up projections column-wise (each process its share of the heads and of the MLP width), o and down
+  projections row-wise (their outputs summed over the group); the embedding row-wise over the vocabulary, the LM head
+  column-wise with its logits gathered (transformers' loss then runs unchanged on ordinary tensors);
+- then `fully_shard` per decoder layer and on the root over the `dp_shard` dimension (size 1 under tp.yaml): every
+  parameter ends a DTensor, norms included, so that `accelerator.clip_grad_norm_` and torch's distributed checkpoint
+  (DCP) see one kind of tensor; checkpoints are sharded DCP folders, the export gathers full tensors.
+
+accelerate 1.15's `prepare` cannot take such a model (docs/scaling.md): with FSDP2 its `_prepare_tp` imports
+`transformers.integrations.tensor_parallel.ReplicateParallel`, which transformers 5.23 no longer has, and it refuses a
+`ParallelismConfig` on a multi-process CPU run. So the model is sharded here before `prepare`, the state is FSDP2 for
+the rest of the loop (`accumulate`, `backward`, `clip_grad_norm_`, `save_state`, `get_state_dict`), and
+`prepare_without_accelerate_tp` hides the parallelism config from `prepare` while it shards the dataloaders by the
+data-parallel rank (accelerate reads the mesh's `tp` dimension for that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from contextlib import contextmanager
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
+
+from common.errors import fail
+from common.upstream import use_fsdp_everywhere
+
+logger = get_logger(__name__)
+STYLES = ("colwise", "rowwise")  # the plan entries torch's ColwiseParallel / RowwiseParallel serve
+SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def launched_sizes() -> dict[str, int]:
+    """The launcher's parallelism_config sizes (`accelerate launch` exports them), before any work; {} if none."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return {}
+    return {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1) for name in SIZE_NAMES}
+
+
+def tensor_parallel_size() -> int:
+    return launched_sizes().get("tp", 1)
+
+
+def check_tensor_parallel(args: argparse.Namespace, config) -> int:
+    """One line before any work for what tensor parallelism cannot serve; returns tp_size (1: off)."""
+    sizes, tp = launched_sizes(), tensor_parallel_size()
+    if tp == 1:
+        return 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if sizes["dp_shard"] * tp != world or sizes["dp_replicate"] > 1 or sizes["cp"] > 1 or sizes["sp"] > 1:
+        fail(f"parallelism_config sizes {({k: v for k, v in sizes.items() if v > 1})} do not multiply to the {world} "
+             "processes: tensor parallelism runs as dp_shard_size x tp_size = processes (accelerate_configs/tp.yaml, "
+             "fsdp2_tp.yaml; pass --num_processes after --config_file)")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        fail(f"tp_size {tp} with DeepSpeed is not supported: use accelerate_configs/tp.yaml or fsdp2_tp.yaml")
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    others = sorted({style for style in plan.values() if style not in STYLES})
+    if not plan or others:
+        fail(f"tp_size {tp}: {type(config).__name__}'s tensor-parallel plan "
+             f"{'uses ' + ', '.join(others) if others else 'is empty'} (mixture-of-experts layers included); only "
+             f"plans of {' and '.join(STYLES)} layers (Llama-style models) are served")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % tp:
+            fail(f"tp_size {tp} does not divide the model's {name} ({value}): each process takes an equal share")
+    refused = {"use_peft": "LoRA", "load_in_4bit": "QLoRA (4-bit)", "load_in_8bit": "8-bit loading",
+               "torch_compile": "--torch_compile", "streaming": "--streaming", "use_liger_kernel": "Liger kernels",
+               "chunked_cross_entropy": "--chunked_cross_entropy", "activation_offloading": "--activation_offloading",
+               "selective_ac_option": "--selective_ac_option", "freeze_embeddings": "--freeze_embeddings",
+               "freeze_layers": "--freeze_layers"}
+    for flag, what in refused.items():
+        if getattr(args, flag, None):
+            fail(f"{what} is not supported with tensor parallelism (tp_size {tp}) yet; drop one of them")
+    return tp
+
+
+@contextmanager
+def accelerator_for_tensor_parallel():
+    """Around `build_accelerator`: without CUDA, accelerate 1.15 refuses a ParallelismConfig on a multi-process run
+    (MULTI_CPU is not a "multi-device" type): the Accelerator is built without it; `use_tensor_parallel` attaches it."""
+    hidden = tensor_parallel_size() > 1 and not torch.cuda.is_available()
+    if hidden:
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
+    try:
+        yield
+    finally:
+        if hidden:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+
+
+def use_tensor_parallel(accelerator: Accelerator) -> None:
+    """After `build_accelerator` (and `use_fsdp2_on_cpu`): the accelerator gets its parallelism config and a
+    (dp_shard, tp) mesh, and its state becomes FSDP2 (whose checkpoint, clipping and export paths serve DTensors)."""
+    if tensor_parallel_size() == 1:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pc = accelerator.parallelism_config or ParallelismConfig()
+    mesh = init_device_mesh(accelerator.device.type, (pc.dp_shard_size, pc.tp_size), mesh_dim_names=("dp_shard", "tp"))
+    accelerator.state.parallelism_config, accelerator.state.device_mesh = pc, mesh
+    if getattr(accelerator.state, "fsdp_plugin", None) is None:  # tp.yaml: no FSDP section; checkpoints still go through DCP
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT",
+                                                reshard_after_forward=True)
+        if accelerator.state.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.state.mixed_precision)
+        accelerator.state.fsdp_plugin = plugin
+    use_fsdp_everywhere(accelerator)
+
+
+def data_parallel_processes(accelerator: Accelerator) -> int:
+    """Processes that read different batches: the tp processes of a group read the same ones."""
+    pc = accelerator.parallelism_config
+    return accelerator.num_processes // (pc.tp_size if pc else 1)
+
+
+def shard_model(model, accelerator: Accelerator):
+    """Tensor-parallel `model` over the mesh's `tp` dimension (the plan above), then FSDP2 over `dp_shard`; in place.
+    Every process holds the same full model first (same seed, or the same checkpoint): each keeps its shards."""
+    pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
+    if pc is None or not pc.tp_enabled:
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    prefix = f"{model.base_model_prefix}." if getattr(model, model.base_model_prefix, None) is not None else ""
+    plan = {prefix + name: style[kind]() for name, kind in model.config.base_model_tp_plan.items()}
+    plan[prefix + "embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh["tp"], plan)
+    plugin = accelerator.state.fsdp_plugin
+    kwargs = dict(mesh=mesh["dp_shard"], reshard_after_forward=plugin.reshard_after_forward,
+                  mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@contextmanager
+def prepare_without_accelerate_tp(accelerator: Accelerator):
+    """Around `accelerator.prepare`: the model is sharded already (`shard_model`); accelerate's own TP step (see the
+    module's docstring) is kept out by hiding the parallelism config. The mesh stays: the dataloaders are dealt out
+    by data-parallel rank."""
+    pc = accelerator.parallelism_config
+    accelerator.state.parallelism_config = None if pc is not None and pc.tp_enabled else pc
+    try:
+        yield
+    finally:
+        accelerator.state.parallelism_config = pc
+
+
+def sharding_figures(model, accelerator: Accelerator) -> dict:
+    """{"mesh": ..., "parameters_per_process": ...} of a tensor-parallel run ({} otherwise), logged once."""
+    pc = accelerator.parallelism_config
+    if pc is None or not pc.tp_enabled:
+        return {}
+    from torch.distributed.tensor import DTensor
+
+    mesh = {name: size for name, size in (("dp_shard", pc.dp_shard_size), ("tp", pc.tp_size)) if size > 1}
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    logger.info(f"Tensor parallel: mesh {mesh}, {held:,} parameter elements per process")
+    return {"mesh": mesh, "parameters_per_process": held}
