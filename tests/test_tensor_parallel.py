@@ -68,8 +68,8 @@ def test_tp2_matches_one_process_and_says_how_it_is_sharded(runs):
 
 
 def test_sigkill_and_auto_resume_end_like_the_uninterrupted_run(runs, corpus, init_model):
-    """The real launcher, killed (its whole process group) once step 3's row is written after the step-2 checkpoint;
-    the same command with `--resume_from_checkpoint auto` finishes the run."""
+    """The real launcher's processes SIGKILLed (the launcher reaps them and stops) once step 3's row is written after
+    the step-2 checkpoint; the same command with `--resume_from_checkpoint auto` finishes the run."""
     out = runs / "killed"
     args = [*train_args(corpus, init_model, out, 4, "--checkpointing_steps", "2", "--resume_from_checkpoint", "auto"),
             *CLIPPED]
@@ -80,13 +80,28 @@ def test_sigkill_and_auto_resume_end_like_the_uninterrupted_run(runs, corpus, in
     while not any(r.get("step") == 3 for r in rows(out)):
         assert proc.poll() is None and time.monotonic() < deadline, (runs / "killed.log").read_text()[-3000:]
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    for pid in children(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    assert proc.wait() != 0
     assert not (out / "checkpoints" / "step_4").exists()
     run_script("pretrain_llama.py", *args, launcher=tp_launcher("tp.yaml", 2))
     assert [strip(r) for r in rows(out)] == [strip(r) for r in rows(runs / "tp2")]
     weights, uninterrupted = exported_weights(out), exported_weights(runs / "tp2")
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (from /proc: their parent's pid is the 4th field of /proc/<pid>/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # not a process, or gone
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
 
 
 def rows(out) -> list[dict]:

@@ -135,8 +135,9 @@ def shard_model(model, accelerator: Accelerator):
     plan = {prefix + name: style[kind]() for name, kind in model.config.base_model_tp_plan.items()}
     plan[prefix + "embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
     plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, mesh["tp"], plan)
     plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)  # while the layers' classes have their names (prepare asks for them again)
+    parallelize_module(model, mesh["tp"], plan)
     kwargs = dict(mesh=mesh["dp_shard"], reshard_after_forward=plugin.reshard_after_forward,
                   mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
     for layer in model.get_decoder().layers:
