@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
 from conftest import ROOT, launcher, read_metrics, run_script
+from forked_runs import start_launched
 from test_distributed import LOSS_RTOL, WEIGHT_RTOL, init_model, train_args  # noqa: F401 (init_model: fixture)
 from test_finetune_causal_lm import sft  # noqa: F401 (fixture)
 from test_fsdp import GRAD_NORM_RTOL, compare_runs, cpu_1proc_launcher, exported_weights, finetune_args
@@ -68,40 +68,26 @@ def test_tp2_matches_one_process_and_says_how_it_is_sharded(runs):
 
 
 def test_sigkill_and_auto_resume_end_like_the_uninterrupted_run(runs, corpus, init_model):
-    """The real launcher's processes SIGKILLed (the launcher reaps them and stops) once step 3's row is written after
-    the step-2 checkpoint; the same command with `--resume_from_checkpoint auto` finishes the run."""
+    """Both processes SIGKILLed once step 3's row is written after the step-2 checkpoint; the same command with
+    `--resume_from_checkpoint auto` finishes the run."""
     out = runs / "killed"
     args = [*train_args(corpus, init_model, out, 4, "--checkpointing_steps", "2", "--resume_from_checkpoint", "auto"),
             *CLIPPED]
     cmd = [*tp_launcher("tp.yaml", 2), os.path.join(ROOT, "scripts", "pretrain_llama.py"), *args]
-    with open(runs / "killed.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    processes = start_launched(cmd, ROOT, str(runs / "killed.log"))  # forked as launch_forked does, not waited for
     deadline = time.monotonic() + 300
     while not any(r.get("step") == 3 for r in rows(out)):
-        assert proc.poll() is None and time.monotonic() < deadline, (runs / "killed.log").read_text()[-3000:]
+        assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, \
+            (runs / "killed.log").read_text()[-3000:]
         time.sleep(0.01)
-    for pid in children(proc.pid):
-        os.kill(pid, signal.SIGKILL)
-    assert proc.wait() != 0
+    for process in processes:
+        os.kill(process.pid, signal.SIGKILL)
+    assert all(process.wait() == -signal.SIGKILL for process in processes)
     assert not (out / "checkpoints" / "step_4").exists()
     run_script("pretrain_llama.py", *args, launcher=tp_launcher("tp.yaml", 2))
     assert [strip(r) for r in rows(out)] == [strip(r) for r in rows(runs / "tp2")]
     weights, uninterrupted = exported_weights(out), exported_weights(runs / "tp2")
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started (from /proc: their parent's pid is the 4th field of /proc/<pid>/stat)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # not a process, or gone
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
 
 
 def rows(out) -> list[dict]:
@@ -133,3 +119,55 @@ def test_fsdp2_x_tp_on_four_processes_matches_one(runs, corpus, init_model):
           f"{compare_runs(out, runs / 'one', (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
     assert results(out)["mesh"] == {"dp_shard": 2, "tp": 2}
     assert 0.2 < results(out)["parameters_per_process"] / results(out)["num_parameters"] < 0.3
+
+
+def test_the_export_loads_on_one_process_with_the_sharded_models_logits(init_model, tmp_path):
+    """tests/tp_export_probe.py: trained 2 steps under TP = 2 (a vocabulary of 361: the embedding and LM head split
+    unevenly), exported; the main process alone loads the export and compares the logits with the sharded model's."""
+    proc = run_script(os.path.join(ROOT, "tests", "tp_export_probe.py"), ROOT, init_model, str(tmp_path / "out"),
+                      launcher=tp_launcher("tp.yaml", 2))
+    probe = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))[6:])
+    print(f"export of a tp 2 model on one process: {probe}")
+    assert probe["lm_head"] == "DTensor" and probe["vocab_size"] % 2 == 1
+    assert probe["relative_difference"] <= 1e-5
+
+
+def refusal(monkeypatch, capsys, config, world: int = 2, tp: int = 2, dp_shard: int = 1, **flags) -> str:
+    """The one line `check_tensor_parallel` stops with (exit status 2), under a launcher's environment."""
+    import argparse
+
+    from common.features.tensor_parallel import check_tensor_parallel
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", str(tp))
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", str(dp_shard))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        check_tensor_parallel(argparse.Namespace(**flags), config)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_what_tensor_parallelism_cannot_serve_is_one_line(monkeypatch, capsys):
+    from transformers import LlamaConfig, MixtralConfig
+
+    from common.inputs.modeling import LLAMA_PRESETS, MOE_PRESETS
+
+    tiny = LlamaConfig(**LLAMA_PRESETS["tiny"])  # 4 heads, 4 key/value heads, MLP width 512
+    assert "does not divide the model's num_attention_heads (4)" in refusal(monkeypatch, capsys, tiny, 3, 3)
+    assert "num_key_value_heads (2)" in refusal(monkeypatch, capsys, LlamaConfig(**{**LLAMA_PRESETS["tiny"],
+                                                                                 "num_key_value_heads": 2}), 4, 4)
+    assert "intermediate_size (513)" in refusal(monkeypatch, capsys, LlamaConfig(**{**LLAMA_PRESETS["tiny"],
+                                                                                 "intermediate_size": 513}))
+    assert "do not multiply to the 3 processes" in refusal(monkeypatch, capsys, tiny, world=3)
+    assert "do not multiply to the 8 processes" in refusal(monkeypatch, capsys, tiny, world=8, dp_shard=2)
+    assert "uses moe_tp_experts, packed_colwise" in refusal(monkeypatch, capsys, MixtralConfig(**MOE_PRESETS["moe-tiny"]))
+    assert "QLoRA (--load_in_4bit) is not supported" in refusal(monkeypatch, capsys, tiny, use_peft=True,
+                                                                 load_in_4bit=True)
+    assert "LoRA (--use_peft) is not supported" in refusal(monkeypatch, capsys, tiny, use_peft=True)
+    assert "--torch_compile is not supported" in refusal(monkeypatch, capsys, tiny, torch_compile=True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert "with DeepSpeed is not supported" in refusal(monkeypatch, capsys, tiny)

@@ -70,7 +70,7 @@ def check_tensor_parallel(args: argparse.Namespace, config) -> int:
         value = getattr(config, name, None)
         if value is not None and value % tp:
             fail(f"tp_size {tp} does not divide the model's {name} ({value}): each process takes an equal share")
-    refused = {"use_peft": "LoRA", "load_in_4bit": "QLoRA (4-bit)", "load_in_8bit": "8-bit loading",
+    refused = {"load_in_4bit": "QLoRA (--load_in_4bit)", "use_peft": "LoRA (--use_peft)",
                "torch_compile": "--torch_compile", "streaming": "--streaming", "use_liger_kernel": "Liger kernels",
                "chunked_cross_entropy": "--chunked_cross_entropy", "activation_offloading": "--activation_offloading",
                "selective_ac_option": "--selective_ac_option", "freeze_embeddings": "--freeze_embeddings",
