@@ -30,7 +30,9 @@ from test_distributed import LOSS_RTOL, WEIGHT_RTOL, init_model, train_args  # n
 from test_finetune_causal_lm import sft  # noqa: F401 (fixture)
 from test_fsdp import GRAD_NORM_RTOL, compare_runs, cpu_1proc_launcher, exported_weights, finetune_args
 
-CLIPPED = ("--max_grad_norm", "1.0", "--sample_max_new_tokens", "0")
+# Clipped, and small: 80 documents (~125 blocks, a dozen steps per epoch), 8 evaluation blocks, no sample.
+CLIPPED = ("--max_grad_norm", "1.0", "--sample_max_new_tokens", "0", "--max_train_samples", "80",
+           "--max_eval_samples", "8")
 
 
 def tp_launcher(config: str, num_processes: int) -> list[str]:
@@ -88,6 +90,24 @@ def test_sigkill_and_auto_resume_end_like_the_uninterrupted_run(runs, corpus, in
     assert [strip(r) for r in rows(out)] == [strip(r) for r in rows(runs / "tp2")]
     weights, uninterrupted = exported_weights(out), exported_weights(runs / "tp2")
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_a_tp_checkpoint_resumes_without_tp_and_an_unsharded_engine_is_one_line(runs, corpus, init_model):
+    """DCP reshards: the TP = 2 step-2 checkpoint resumed by FSDP2 on 2 processes (tp_size 1, 2 x 2 x 2 sequences)
+    continues the run; plain one-process training cannot load sharded states and says so in one line."""
+    from conftest import copy_checkpoints
+
+    out, plain = runs / "resumed_fsdp2", runs / "resumed_plain"
+    for folder in (out, plain):
+        copy_checkpoints(runs / "tp2", folder, 2)
+    pretrain(corpus, init_model, out, 2, "fsdp2.yaml", 2, "--resume_from_checkpoint", "auto")
+    print(f"tp 2 checkpoint resumed by fsdp2 on 2 processes: "
+          f"{compare_runs(out, runs / 'tp2', (3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
+    proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, plain, 8, "--resume_from_checkpoint", "auto"),
+                      *CLIPPED, launcher=cpu_1proc_launcher(), check=False, launcher_output=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "holds sharded (FSDP2 or tensor-parallel) torch.distributed.checkpoint states" in errors[0]
 
 
 def rows(out) -> list[dict]:
