@@ -231,6 +231,7 @@ FAST = {
                        "test_a_full_disk_during_the_merged_export_is_one_line_and_leaves_no_part_of_it",
                        "test_a_sharded_model_is_checked_through_its_index"},
     "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
+    "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line"},
 }
 
 
@@ -244,7 +245,7 @@ def pytest_configure(config) -> None:
 # the two workers end on short files, together, not one on a 2-minute file alone.
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_memory_estimate.py", "test_chunked_loss.py",
                  "test_preemption.py", "test_gpu_suite.py", "test_async_checkpoint.py", "test_distributed.py",
-                 "test_lora_engines.py", "test_pretrain.py", "test_finetune_dpo.py", "test_bad_inputs.py",
+                 "test_lora_engines.py", "test_pretrain.py", "test_tensor_parallel.py", "test_finetune_dpo.py", "test_bad_inputs.py",
                  "test_lora.py", "test_crash_safety.py", "test_init_parity.py", "test_finetune_classifier.py",
                  "test_resume_guard.py", "test_faults.py", "test_benchmark.py", "test_finetune_causal_lm.py",
                  "test_compile.py", "test_activation_memory.py", "test_fsdp.py")
