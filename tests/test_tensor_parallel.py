@@ -60,7 +60,8 @@ def results(out) -> dict:
 
 
 def test_tp2_matches_one_process_and_says_how_it_is_sharded(runs):
-    print(f"tp 2 vs 1 process: {compare_runs(runs / 'tp2', runs / 'one', (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
+    report = compare_runs(runs / "tp2", runs / "one", (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)
+    print(f"tp 2 vs 1 process: {report}")
     tp, one = results(runs / "tp2"), results(runs / "one")
     assert tp["mesh"] == {"tp": 2} and tp["num_parameters"] == one["num_parameters"]
     assert 0.45 < tp["parameters_per_process"] / tp["num_parameters"] < 0.55  # norms and rotary stay whole: ~half
@@ -103,8 +104,8 @@ def test_a_tp_checkpoint_resumes_without_tp_and_an_unsharded_engine_is_one_line(
     pretrain(corpus, init_model, out, 2, "fsdp2.yaml", 2, "--resume_from_checkpoint", "auto")
     print(f"tp 2 checkpoint resumed by fsdp2 on 2 processes: "
           f"{compare_runs(out, runs / 'tp2', (3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
-    proc = run_script("pretrain_llama.py", *train_args(corpus, init_model, plain, 8, "--resume_from_checkpoint", "auto"),
-                      *CLIPPED, launcher=cpu_1proc_launcher(), check=False, launcher_output=False)
+    args = [*train_args(corpus, init_model, plain, 8, "--resume_from_checkpoint", "auto"), *CLIPPED]
+    proc = run_script("pretrain_llama.py", *args, launcher=cpu_1proc_launcher(), check=False, launcher_output=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert "holds sharded (FSDP2 or tensor-parallel) torch.distributed.checkpoint states" in errors[0]
@@ -184,7 +185,8 @@ def test_what_tensor_parallelism_cannot_serve_is_one_line(monkeypatch, capsys):
                                                                                  "intermediate_size": 513}))
     assert "do not multiply to the 3 processes" in refusal(monkeypatch, capsys, tiny, world=3)
     assert "do not multiply to the 8 processes" in refusal(monkeypatch, capsys, tiny, world=8, dp_shard=2)
-    assert "uses moe_tp_experts, packed_colwise" in refusal(monkeypatch, capsys, MixtralConfig(**MOE_PRESETS["moe-tiny"]))
+    moe = MixtralConfig(**MOE_PRESETS["moe-tiny"])
+    assert "uses moe_tp_experts, packed_colwise" in refusal(monkeypatch, capsys, moe)
     assert "QLoRA (--load_in_4bit) is not supported" in refusal(monkeypatch, capsys, tiny, use_peft=True,
                                                                  load_in_4bit=True)
     assert "LoRA (--use_peft) is not supported" in refusal(monkeypatch, capsys, tiny, use_peft=True)

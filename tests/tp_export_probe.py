@@ -15,21 +15,22 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.export import export_model  # noqa: E402
-from common.features.tensor_parallel import (accelerator_for_tensor_parallel, prepare_without_accelerate_tp,  # noqa: E402
-                                             shard_model, use_tensor_parallel)
+from common.features.tensor_parallel import (hide_parallelism_config_on_cpu, put_back_parallelism_config,  # noqa: E402
+                                             set_parallelism_config_aside, shard_model, use_tensor_parallel)
 from common.lifecycle import finish  # noqa: E402
 from common.runtime import build_accelerator  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("pretrain_llama", f"{root}/scripts/pretrain_llama.py")
 pretrain = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pretrain)
-with accelerator_for_tensor_parallel():
-    accelerator = build_accelerator(pretrain.parse_args(["--output_dir", output_dir, "--mixed_precision", "no"]))
+hide_parallelism_config_on_cpu()
+accelerator = build_accelerator(pretrain.parse_args(["--output_dir", output_dir, "--mixed_precision", "no"]))
 use_tensor_parallel(accelerator)
 model = shard_model(AutoModelForCausalLM.from_pretrained(init_model, dtype=torch.float32), accelerator)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-with prepare_without_accelerate_tp(accelerator):
-    model, optimizer = accelerator.prepare(model, optimizer)
+tp_config = set_parallelism_config_aside(accelerator)
+model, optimizer = accelerator.prepare(model, optimizer)
+put_back_parallelism_config(accelerator, tp_config)
 ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
 for _ in range(2):
     accelerator.backward(model(input_ids=ids, labels=ids).loss)

@@ -14,15 +14,14 @@ accelerate 1.15's `prepare` cannot take such a model (docs/scaling.md): with FSD
 `transformers.integrations.tensor_parallel.ReplicateParallel`, which transformers 5.23 no longer has, and it refuses a
 `ParallelismConfig` on a multi-process CPU run. So the model is sharded here before `prepare`, the state is FSDP2 for
 the rest of the loop (`accumulate`, `backward`, `clip_grad_norm_`, `save_state`, `get_state_dict`), and
-`prepare_without_accelerate_tp` hides the parallelism config from `prepare` while it shards the dataloaders by the
-data-parallel rank (accelerate reads the mesh's `tp` dimension for that).
+`shard_model` sets the parallelism config aside for `prepare` (which still deals the dataloaders out by data-parallel
+rank: it reads the mesh's `tp` dimension) and `tensor_parallel_prepared` puts it back.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
@@ -39,7 +38,8 @@ SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 def launched_sizes() -> dict[str, int]:
     """The launcher's parallelism_config sizes (`accelerate launch` exports them), before any work; {} if none."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true" and \
+            os.environ.get("TENSOR_PARALLEL_CONFIG_HIDDEN") != "true":
         return {}
     return {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1) for name in SIZE_NAMES}
 
@@ -81,18 +81,13 @@ def check_tensor_parallel(args: argparse.Namespace, config) -> int:
     return tp
 
 
-@contextmanager
-def accelerator_for_tensor_parallel():
-    """Around `build_accelerator`: without CUDA, accelerate 1.15 refuses a ParallelismConfig on a multi-process run
-    (MULTI_CPU is not a "multi-device" type): the Accelerator is built without it; `use_tensor_parallel` attaches it."""
-    hidden = tensor_parallel_size() > 1 and not torch.cuda.is_available()
-    if hidden:
+def hide_parallelism_config_on_cpu() -> None:
+    """Before `build_accelerator`: without CUDA, accelerate 1.15 refuses a ParallelismConfig on a multi-process run
+    (MULTI_CPU is not a "multi-device" type), so the Accelerator is built without it; `use_tensor_parallel` puts it
+    back and attaches it."""
+    if tensor_parallel_size() > 1 and not torch.cuda.is_available():
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
-    try:
-        yield
-    finally:
-        if hidden:
-            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+        os.environ["TENSOR_PARALLEL_CONFIG_HIDDEN"] = "true"
 
 
 def use_tensor_parallel(accelerator: Accelerator) -> None:
@@ -100,12 +95,14 @@ def use_tensor_parallel(accelerator: Accelerator) -> None:
     (dp_shard, tp) mesh, and its state becomes FSDP2 (whose checkpoint, clipping and export paths serve DTensors)."""
     if tensor_parallel_size() == 1:
         return
+    if os.environ.pop("TENSOR_PARALLEL_CONFIG_HIDDEN", None):
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     from torch.distributed.device_mesh import init_device_mesh
 
     pc = accelerator.parallelism_config or ParallelismConfig()
     mesh = init_device_mesh(accelerator.device.type, (pc.dp_shard_size, pc.tp_size), mesh_dim_names=("dp_shard", "tp"))
     accelerator.state.parallelism_config, accelerator.state.device_mesh = pc, mesh
-    if getattr(accelerator.state, "fsdp_plugin", None) is None:  # tp.yaml: no FSDP section; checkpoints still go through DCP
+    if getattr(accelerator.state, "fsdp_plugin", None) is None:  # tp.yaml has no FSDP section: checkpoints through DCP
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT",
                                                 reshard_after_forward=True)
         if accelerator.state.mixed_precision != "no":
@@ -114,15 +111,13 @@ def use_tensor_parallel(accelerator: Accelerator) -> None:
     use_fsdp_everywhere(accelerator)
 
 
-def data_parallel_processes(accelerator: Accelerator) -> int:
-    """Processes that read different batches: the tp processes of a group read the same ones."""
-    pc = accelerator.parallelism_config
-    return accelerator.num_processes // (pc.tp_size if pc else 1)
-
-
 def shard_model(model, accelerator: Accelerator):
     """Tensor-parallel `model` over the mesh's `tp` dimension (the plan above), then FSDP2 over `dp_shard`; in place.
-    Every process holds the same full model first (same seed, or the same checkpoint): each keeps its shards."""
+    Every process holds the same full model first (same seed, or the same checkpoint): each keeps its shards.
+
+    The accelerator's parallelism config is set aside until `tensor_parallel_prepared`, so that `accelerator.prepare`
+    skips its own TP step (the module's docstring); the mesh stays: the dataloaders are dealt out by data-parallel rank.
+    """
     pc, mesh = accelerator.parallelism_config, accelerator.torch_device_mesh
     if pc is None or not pc.tp_enabled:
         return model
@@ -143,24 +138,22 @@ def shard_model(model, accelerator: Accelerator):
     for layer in model.get_decoder().layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    accelerator._tensor_parallel_config, accelerator.state.parallelism_config = pc, None
     return model
 
 
-@contextmanager
-def prepare_without_accelerate_tp(accelerator: Accelerator):
-    """Around `accelerator.prepare`: the model is sharded already (`shard_model`); accelerate's own TP step (see the
-    module's docstring) is kept out by hiding the parallelism config. The mesh stays: the dataloaders are dealt out
-    by data-parallel rank."""
-    pc = accelerator.parallelism_config
-    accelerator.state.parallelism_config = None if pc is not None and pc.tp_enabled else pc
-    try:
-        yield
-    finally:
-        accelerator.state.parallelism_config = pc
+def tensor_parallel_prepared(accelerator: Accelerator, model) -> None:
+    """Right after `accelerator.prepare`: the parallelism config `shard_model` set aside is back on the state (the loss
+    scale and the token count read the sizes from it), and the run's first lines say how it is sharded."""
+    if accelerator.state.parallelism_config is None and hasattr(accelerator, "_tensor_parallel_config"):
+        accelerator.state.parallelism_config = accelerator.__dict__.pop("_tensor_parallel_config")
+    if figures := sharding_figures(model, accelerator):
+        logger.info(f"Tensor parallel: mesh {figures['mesh']}, {figures['parameters_per_process']:,} parameter "
+                    "elements per process")
 
 
 def sharding_figures(model, accelerator: Accelerator) -> dict:
-    """{"mesh": ..., "parameters_per_process": ...} of a tensor-parallel run ({} otherwise), logged once."""
+    """{"mesh": ..., "parameters_per_process": ...} of a tensor-parallel run ({} otherwise), for all_results.json."""
     pc = accelerator.parallelism_config
     if pc is None or not pc.tp_enabled:
         return {}
@@ -168,5 +161,4 @@ def sharding_figures(model, accelerator: Accelerator) -> dict:
 
     mesh = {name: size for name, size in (("dp_shard", pc.dp_shard_size), ("tp", pc.tp_size)) if size > 1}
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    logger.info(f"Tensor parallel: mesh {mesh}, {held:,} parameter elements per process")
     return {"mesh": mesh, "parameters_per_process": held}
