@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.export import export_model  # noqa: E402
-from common.features.tensor_parallel import (hide_parallelism_config_on_cpu, put_back_parallelism_config,  # noqa: E402
-                                             set_parallelism_config_aside, shard_model, use_tensor_parallel)
+from common.features.tensor_parallel import (hide_parallelism_config_on_cpu, shard_model,  # noqa: E402
+                                             tensor_parallel_prepared, use_tensor_parallel)
 from common.lifecycle import finish  # noqa: E402
 from common.runtime import build_accelerator  # noqa: E402
 
@@ -28,9 +28,8 @@ accelerator = build_accelerator(pretrain.parse_args(["--output_dir", output_dir,
 use_tensor_parallel(accelerator)
 model = shard_model(AutoModelForCausalLM.from_pretrained(init_model, dtype=torch.float32), accelerator)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-tp_config = set_parallelism_config_aside(accelerator)
 model, optimizer = accelerator.prepare(model, optimizer)
-put_back_parallelism_config(accelerator, tp_config)
+tensor_parallel_prepared(accelerator, model)
 ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
 for _ in range(2):
     accelerator.backward(model(input_ids=ids, labels=ids).loss)
