@@ -132,21 +132,24 @@ def shard_model(model, accelerator: Accelerator):
     plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     plugin = accelerator.state.fsdp_plugin
     plugin.set_auto_wrap_policy(model)  # while the layers' classes have their names (prepare asks for them again)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     parallelize_module(model, mesh["tp"], plan)
+    if tied:  # both split their weight along the vocabulary (Shard(0)): one parameter again, as before
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     kwargs = dict(mesh=mesh["dp_shard"], reshard_after_forward=plugin.reshard_after_forward,
                   mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
     for layer in model.get_decoder().layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    accelerator._tensor_parallel_config, accelerator.state.parallelism_config = pc, None
+    accelerator.tensor_parallel_config_set_aside, accelerator.state.parallelism_config = pc, None
     return model
 
 
 def tensor_parallel_prepared(accelerator: Accelerator, model) -> None:
     """Right after `accelerator.prepare`: the parallelism config `shard_model` set aside is back on the state (the loss
     scale and the token count read the sizes from it), and the run's first lines say how it is sharded."""
-    if accelerator.state.parallelism_config is None and hasattr(accelerator, "_tensor_parallel_config"):
-        accelerator.state.parallelism_config = accelerator.__dict__.pop("_tensor_parallel_config")
+    if accelerator.state.parallelism_config is None and hasattr(accelerator, "tensor_parallel_config_set_aside"):
+        accelerator.state.parallelism_config = accelerator.__dict__.pop("tensor_parallel_config_set_aside")
     if figures := sharding_figures(model, accelerator):
         logger.info(f"Tensor parallel: mesh {figures['mesh']}, {figures['parameters_per_process']:,} parameter "
                     "elements per process")
