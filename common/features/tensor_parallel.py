@@ -133,7 +133,7 @@ def shard_model(model, accelerator: Accelerator):
     plugin = accelerator.state.fsdp_plugin
     plugin.set_auto_wrap_policy(model)  # while the layers' classes have their names (prepare asks for them again)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(model.to(accelerator.device), mesh["tp"], plan)
     if tied:  # both split their weight along the vocabulary (Shard(0)): one parameter again, as before
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     kwargs = dict(mesh=mesh["dp_shard"], reshard_after_forward=plugin.reshard_after_forward,
