@@ -193,3 +193,9 @@ def test_what_tensor_parallelism_cannot_serve_is_one_line(monkeypatch, capsys):
     assert "--torch_compile is not supported" in refusal(monkeypatch, capsys, tiny, torch_compile=True)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     assert "with DeepSpeed is not supported" in refusal(monkeypatch, capsys, tiny)
+    from common.features.tensor_parallel import refuse_tensor_parallel
+
+    with pytest.raises(SystemExit):
+        refuse_tensor_parallel("finetune_dpo.py")
+    assert "wired into scripts/pretrain_llama.py and scripts/finetune_causal_lm.py only, not finetune_dpo.py" in \
+        capsys.readouterr().err

@@ -81,6 +81,13 @@ def check_tensor_parallel(args: argparse.Namespace, config) -> int:
     return tp
 
 
+def refuse_tensor_parallel(recipe: str) -> None:
+    """The recipes tensor parallelism is not wired into stop with one line."""
+    if tensor_parallel_size() > 1:
+        fail(f"tensor parallelism (tp_size {tensor_parallel_size()}) is wired into scripts/pretrain_llama.py and "
+             f"scripts/finetune_causal_lm.py only, not {recipe}")
+
+
 def hide_parallelism_config_on_cpu() -> None:
     """Before `build_accelerator`: without CUDA, accelerate 1.15 refuses a ParallelismConfig on a multi-process run
     (MULTI_CPU is not a "multi-device" type), so the Accelerator is built without it; `use_tensor_parallel` puts it
