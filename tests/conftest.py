@@ -231,7 +231,8 @@ FAST = {
                        "test_a_full_disk_during_the_merged_export_is_one_line_and_leaves_no_part_of_it",
                        "test_a_sharded_model_is_checked_through_its_index"},
     "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
-    "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line"},
+    "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
+                                "test_the_upstream_lines_that_force_the_torch_path_still_hold"},
 }
 
 

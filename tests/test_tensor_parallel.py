@@ -199,3 +199,18 @@ def test_what_tensor_parallelism_cannot_serve_is_one_line(monkeypatch, capsys):
         refuse_tensor_parallel("finetune_dpo.py")
     assert "wired into scripts/pretrain_llama.py and scripts/finetune_causal_lm.py only, not finetune_dpo.py" in \
         capsys.readouterr().err
+
+
+def test_the_upstream_lines_that_force_the_torch_path_still_hold():
+    """docs/scaling.md: accelerate's FSDP2 x TP `prepare` imports a class transformers no longer has, and accelerate
+    counts no CPU run as multi-device (so it refuses a ParallelismConfig there). When either changes, try accelerate's
+    own path again and drop what common/features/tensor_parallel.py does in its place."""
+    import inspect
+
+    from accelerate import Accelerator
+
+    assert "from transformers.integrations.tensor_parallel import ReplicateParallel" in \
+        inspect.getsource(Accelerator._prepare_tp)
+    with pytest.raises(ImportError):
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    assert "MULTI_CPU" not in inspect.getsource(Accelerator.multi_device.fget)
