@@ -30,9 +30,9 @@ def accumulation_windows(dataloader: Iterable[dict], steps: int) -> Iterator[lis
 
 
 def count_label_tokens(window: list[dict], accelerator: Accelerator) -> torch.Tensor:
-    """Real label tokens of the window on all processes. The first label of each row predicts nothing: skip it."""
-    local = sum((batch["labels"][..., 1:] != -100).sum() for batch in window)
-    return accelerator.reduce(torch.as_tensor(local, device=accelerator.device), reduction="sum")
+    """Real label tokens of the window on all processes (tp processes share a batch); skips each row's first label."""
+    local, pc = sum((batch["labels"][..., 1:] != -100).sum() for batch in window), accelerator.parallelism_config
+    return accelerator.reduce(torch.as_tensor(local, device=accelerator.device), "sum") // (pc.tp_size if pc else 1)
 
 
 def router_aux_loss_coefficient(config) -> float:
@@ -45,8 +45,7 @@ def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float
     """(loss to pass to `accelerator.backward`, this micro-batch's share of the window's token-mean loss).
 
     `outputs.loss`: from a forward with `num_items_in_batch=count_label_tokens(...)` (a mixture-of-experts balancing
-    loss in it stays a mean over micro-batches). Processes sharing one batch (sp_size) are averaged over once.
-    The logits are dropped from `outputs`.
+    loss stays a mean over micro-batches). Processes sharing one batch (sp, tp) are averaged over once. Logits dropped.
     """
     if isinstance(outputs, dict) and outputs.get("logits") is not None:
         # Nothing after the loss reads them; kept (in fp32: accelerate upcasts a mixed-precision model's outputs),
@@ -54,11 +53,11 @@ def backward_loss(outputs, accelerator: Accelerator, router_aux_loss_coef: float
         outputs["logits"] = None  # item, not attribute: a ModelOutput keeps an item set to None by attribute
     pc = accelerator.parallelism_config
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes // (pc.non_data_parallel_size if pc else 1)
-    aux = getattr(outputs, "aux_loss", None)
+    aux, share = getattr(outputs, "aux_loss", None), pc.tp_size if pc else 1  # tp processes hold one loss: 1/tp each
     if aux is None or not router_aux_loss_coef:
-        return outputs.loss * scale, outputs.loss.detach()
+        return outputs.loss * scale, outputs.loss.detach() / share
     token_loss = outputs.loss - router_aux_loss_coef * aux
-    return token_loss * scale + router_aux_loss_coef * aux, token_loss.detach()
+    return token_loss * scale + router_aux_loss_coef * aux, token_loss.detach() / share
 
 
 @torch.no_grad()

@@ -192,7 +192,8 @@ class StepLog:
         padding, positions, loss_sum, loss_steps, skipped = torch.cat([counts.double(), self.losses]).tolist()
         padding, positions = int(padding), int(positions)
         self.run_padding, self.run_positions = self.run_padding + padding, self.run_positions + positions
-        self.throughput.add(positions - padding)  # real tokens: padding is wasted work
+        pc = acc.parallelism_config  # real tokens (padding is wasted work), once per tp group that shares them
+        self.throughput.add((positions - padding) // (pc.tp_size if pc else 1))
         tokens_per_second = self.throughput.report()
         row = {"step": step, "epoch": round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None,
                "loss": loss_sum / loss_steps if loss_steps else None, "lr": lr, "grad_norm": checked.grad_norm,

@@ -196,6 +196,13 @@ def check_dpo_liger(suite: Suite) -> Outcome:
     return same_as(dpo_run(suite, "dpo_liger", LIGER), dpo_reference_run(suite), "the dpo row", suite.settings.steps)
 
 
+def check_tp(suite: Suite) -> Outcome:
+    """accelerate_configs/tp.yaml on 2 GPUs (tensor parallel 2, both GPUs read the same 8 sequences) = the bf16 row's
+    one GPU, within bf16 tolerance; the export (full tensors) loads on one process."""
+    run = suite.train("tp", PRETRAIN, suite.pretrain_args() + ["--bf16"], config="tp.yaml", processes=2)
+    return same_as(run, suite.reference_run(), "the bf16 row (one GPU)", suite.settings.steps)
+
+
 CHANCE_LOSS = math.log(2)  # two balanced labels: what a classifier that learned nothing scores
 
 
@@ -258,6 +265,9 @@ def part1_rows() -> list[Row]:
     rows += [
         pretrain_row("fsdp2", "FSDP2 full shard on one process (fsdp2.yaml, bf16), export gathered", [],
                      config="fsdp2.yaml"),
+        Row("tp", 1, "tensor parallel 2 (tp.yaml, 2 GPUs) = the bf16 row within bf16 tolerance, export gathered",
+            check_tp, cuda_only="tensor parallelism over NCCL needs 2 GPUs (tests/test_tensor_parallel.py: gloo)",
+            gpus=2),
         pretrain_row("fp8", "FP8 matmuls through torchao (fp8.yaml)", [], config="fp8.yaml", needs=("torchao",),
                      cuda_only="FP8 matmuls need an NVIDIA GPU of compute capability 8.9+ (H100/H200)", slow=True),
         Row("sft", 1, "scripts/finetune_causal_lm.py: prompt/completion SFT of a tiny Llama, bf16", check_sft),

@@ -33,6 +33,8 @@ def precheck(suite: Suite, row: Row) -> Outcome | None:
         return Outcome(SKIP, f"CUDA only: {row.cuda_only}")
     if row.name in ("fp8", "perf_fp8_compile") and torch.cuda.get_device_capability() < (8, 9):
         return Outcome(SKIP, f"CUDA only: {row.cuda_only} (this one is {torch.cuda.get_device_name()})")
+    if suite.cuda and torch.cuda.device_count() < row.gpus:
+        return Outcome(SKIP, f"needs {row.gpus} GPUs, this machine has {torch.cuda.device_count()}")
     missing = missing_modules(row.needs)
     if missing and suite.cuda:  # on a GPU a missing package is a gap in the proof
         return Outcome(FAIL, f"{', '.join(missing)} not importable: install it (requirements.txt; torchao for FP8)")

@@ -65,6 +65,7 @@ class Row:
     cuda_only: str | None = None   # why it needs a CUDA GPU; None: it runs on a CPU too
     needs: tuple[str, ...] = ()    # modules it imports that the GPU machine may lack
     slow: bool = False             # a build first (compile, CPU Adam): started before the quick rows
+    gpus: int = 1                  # GPUs its runs need (more than this machine has: SKIP)
 
 
 @dataclass
@@ -120,14 +121,15 @@ class Suite:
         deadlines = [d for d in (self.deadline, self.row_deadline) if d is not None]
         return min(deadlines) - time.monotonic() if deadlines else math.inf
 
-    def train(self, name: str, script: str, argv: list[str], config: str | None = None) -> Run:
-        """Run a script (under `accelerate launch --config_file <config>` when given) into work/runs/<name>."""
+    def train(self, name: str, script: str, argv: list[str], config: str | None = None, processes: int = 1) -> Run:
+        """Run a script (under `accelerate launch --config_file <config> --num_processes <processes>` when a config is
+        given) into work/runs/<name>."""
         out, log = os.path.join(self.work, "runs", name), os.path.join(self.work, "logs", f"{name}.log")
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(os.path.dirname(log), exist_ok=True)
         launcher = [sys.executable] if config is None else [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-            "--num_processes", "1", "--main_process_port", "0"]  # port 0: parallel rows never collide
+            "--num_processes", str(processes), "--main_process_port", "0"]  # port 0: parallel rows never collide
         timeout = min(self.args.row_timeout_s, self.seconds_left())
         began = time.monotonic()
         core = self.cores.get()

@@ -75,6 +75,9 @@ from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs,
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
+from common.features.tensor_parallel import (check_tensor_parallel, hide_parallelism_config_on_cpu, shard_model,
+                                             sharding_figures, tensor_parallel_prepared,
+                                             use_tensor_parallel)  # feature: tensor parallel
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
@@ -127,10 +130,13 @@ def main() -> None:
         check_adapter_targets(args, config, AutoModelForCausalLM, "CAUSAL_LM")
     check_deepspeed_config(args)  # feature: deepspeed check
     refuse_sequence_parallel("finetune_causal_lm.py")  # feature: sequence parallel
+    check_tensor_parallel(args, config)  # feature: tensor parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
+    hide_parallelism_config_on_cpu()  # feature: tensor parallel
     accelerator = build_accelerator(args)
     use_fsdp2_on_cpu(accelerator)  # feature: fsdp2 on cpu
+    use_tensor_parallel(accelerator)  # feature: tensor parallel
     extras = CheckpointExtras()
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
     extras.explain_failed_save = stop_if_disk_full  # feature: full disk
@@ -250,17 +256,18 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     ga = args.gradient_accumulation_steps
     tokenizer, data = load_sft_data(args, accelerator, config, resume_from)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, tokenizer, data)
-    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
-                                                         args.max_steps, args.num_train_epochs)
+    dp = accelerator.num_processes // getattr(accelerator.parallelism_config, "tp_size", 1)  # tp processes: one batch
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, dp, args.max_steps,
+                                                         args.num_train_epochs)
     record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
     # ---- model (with --use_peft: a frozen, maybe 4-bit, base and a LoRA adapter), freezing, optimizer, schedule ------
     model = build_model(args, config, accelerator, len(tokenizer))
     trainable, total_params = count_parameters(model)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)
@@ -268,8 +275,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                                      trackers=("finetune_causal_lm", vars(args)))
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable "
                 f"({100 * trainable / total_params:.1f}%); {steps_per_epoch} optimizer steps per epoch, {total_steps} "
-                f"in all; global batch {args.per_device_train_batch_size * ga * accelerator.num_processes} examples")
-
+                f"in all; global batch {args.per_device_train_batch_size * ga * dp} examples")
     # ---- training loop: the loss is the mean over all response tokens of the step -----------------------------------
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
@@ -318,17 +324,16 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     log.close()
     wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
-
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
     eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
-    export = exporter(args)
-    if not export(accelerator, model, tokenizer, args.output_dir):
+    if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
     results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
                "padding_fraction": log.padding_fraction, "num_parameters": total_params,
                "trainable_parameters": trainable, "train_examples": len(data["train"])}
     results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
+    results.update(sharding_figures(model, accelerator))  # feature: tensor parallel
     log.write_results(results)
     return 0
 
@@ -352,6 +357,7 @@ def build_model(args, config, accelerator, vocab_size: int):
     if args.torch_compile:  # feature: torch compile
         compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode,
                       lengths_vary=not args.packing)
+    model = shard_model(model, accelerator)  # feature: tensor parallel
     return model
 
 

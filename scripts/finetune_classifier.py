@@ -72,6 +72,7 @@ from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs,
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
+from common.features.tensor_parallel import refuse_tensor_parallel  # feature: tensor parallel
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("text_pair_column", "label_column")  # decide the examples: a resume keeps them
@@ -125,6 +126,7 @@ def main() -> None:
         check_adapter_targets(args, config, AutoModelForSequenceClassification, "SEQ_CLS")
     check_deepspeed_config(args)  # feature: deepspeed check
     refuse_sequence_parallel("finetune_classifier.py")  # feature: sequence parallel
+    refuse_tensor_parallel("finetune_classifier.py")  # feature: tensor parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)

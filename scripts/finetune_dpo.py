@@ -83,6 +83,7 @@ from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs,
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
+from common.features.tensor_parallel import refuse_tensor_parallel  # feature: tensor parallel
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "chosen_column", "rejected_column", "max_seq_length")  # a resume keeps them
@@ -139,6 +140,7 @@ def main() -> None:
         check_liger_kernel(config, fused_loss=False)  # per-row log-probabilities: rope, RMSNorm, SwiGLU only
     check_deepspeed_config(args)  # feature: deepspeed check
     refuse_sequence_parallel("finetune_dpo.py")  # feature: sequence parallel
+    refuse_tensor_parallel("finetune_dpo.py")  # feature: tensor parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
     accelerator = build_accelerator(args)

@@ -64,6 +64,9 @@ from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import (accumulate_slices, check_sequence_parallel, slice_windows,
                                                unsliced)  # feature: sequence parallel
 from common.features.streaming import (add_streaming_args, check_streaming_flags, load_streaming_data)  # feature: streaming
+from common.features.tensor_parallel import (check_tensor_parallel, hide_parallelism_config_on_cpu, shard_model,
+                                             sharding_figures, tensor_parallel_prepared,
+                                             use_tensor_parallel)  # feature: tensor parallel
 
 logger = get_logger(__name__)
 
@@ -116,10 +119,13 @@ def main() -> None:
         check_liger_kernel(config, fused_loss=True, chunked_cross_entropy=chunked)
     check_deepspeed_config(args)  # feature: deepspeed check
     check_sequence_parallel(args, config, args.block_size)  # feature: sequence parallel
+    check_tensor_parallel(args, config)  # feature: tensor parallel
     stop_when_launcher_dies()  # feature: preemption
     use_all_cores()  # feature: cpu threads
+    hide_parallelism_config_on_cpu()  # feature: tensor parallel
     accelerator = build_accelerator(args)
     use_fsdp2_on_cpu(accelerator)  # feature: fsdp2 on cpu
+    use_tensor_parallel(accelerator)  # feature: tensor parallel
     accumulate_slices(accelerator)  # feature: sequence parallel
     extras = CheckpointExtras()  # what the features below add to checkpoints
     extras.record_files, extras.verify = record_files, verify_checkpoint  # feature: checksums
@@ -162,11 +168,11 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
     ga = args.gradient_accumulation_steps
     tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator, resume_from)
-    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
-                                                         args.max_steps, args.num_train_epochs, unit="blocks")
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes // getattr(
+        accelerator.parallelism_config, "tp_size", 1), args.max_steps, args.num_train_epochs, unit="blocks")
     record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
-    model = build_model(args, config, len(tokenizer))
+    model = build_model(args, config, len(tokenizer), accelerator)
     total_params = count_parameters(model)[1]
     step_flops = flops_per_token(model.config, total_params, full_numel(model.get_input_embeddings().weight),
                                  args.block_size)
@@ -174,13 +180,13 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
     train_dataloader, eval_dataloader = unsliced(train_dataloader, eval_dataloader)  # feature: sequence parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("pretrain_llama", vars(args)), flops_per_token=step_flops)
     describe_run(args, accelerator, model, train_dataloader, steps_per_epoch, total_steps)
-
     # ---- training loop: it ends at total_steps, or returns early on a stop signal or divergence ---------------------
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
@@ -240,8 +246,8 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                "num_parameters": total_params}
     if args.sample_max_new_tokens > 0 and accelerator.is_main_process:
         results["sample"] = generate_sample(args.output_dir, args.sample_prompt, args.sample_max_new_tokens)
-        logger.info(f"Sample from the exported model:\n{results['sample']}")
     results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
+    results.update(sharding_figures(model, accelerator))  # feature: tensor parallel
     log.write_results(results)
     return 0
 
@@ -257,14 +263,14 @@ def exporter(args):
 def describe_run(args, accelerator, model, train_dataloader, steps_per_epoch: int | None, total_steps: int) -> None:
     trainable, total = count_parameters(model)
     blocks = len(train_dataloader.dataset) if steps_per_epoch else "a stream of"
+    processes = accelerator.num_processes // getattr(accelerator.parallelism_config, "tp_size", 1)  # tp: one batch
     logger.info(f"Model: {total / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
                 f"{blocks} training blocks of {args.block_size} tokens, {steps_per_epoch or 'unknown'} "
                 f"optimizer steps per epoch, {total_steps} in all; global batch "
-                f"{args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes}"
-                " sequences")
+                f"{args.per_device_train_batch_size * args.gradient_accumulation_steps * processes} sequences")
 
 
-def build_model(args, config, vocab_size: int):
+def build_model(args, config, vocab_size: int, accelerator):
     """The model to train: a fresh one from `config`, or pretrained weights (--model_name_or_path)."""
     model = build_causal_lm(args, config, vocab_size)
     if args.use_liger_kernel:  # feature: liger kernel
@@ -275,6 +281,7 @@ def build_model(args, config, vocab_size: int):
         reduce_activation_memory(model, args.selective_ac_option, args.activation_offloading)
     if args.torch_compile:  # feature: torch compile
         compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
+    model = shard_model(model, accelerator)  # feature: tensor parallel
     return model
 
 
@@ -287,7 +294,9 @@ def generate_sample(model_dir: str, prompt: str, max_new_tokens: int) -> str:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         inputs = tokenizer(prompt, return_tensors="pt")
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=50, temperature=0.8)
-    return tokenizer.decode(out[0], skip_special_tokens=True)
+    sample = tokenizer.decode(out[0], skip_special_tokens=True)
+    logger.info(f"Sample from the exported model:\n{sample}")
+    return sample
 
 
 if __name__ == "__main__":

@@ -250,6 +250,8 @@ FAST = {
     "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
     "test_memory_estimate.py": {"test_the_answer_adds_up_reads_only_the_config_and_says_if_it_fits",
                                 "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line"},
+    "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
+                                "test_the_upstream_lines_that_force_the_torch_path_still_hold"},
 }
 
 
@@ -263,7 +265,8 @@ def pytest_configure(config) -> None:
 # the two workers end on short files, together, not one on a 2-minute file alone.
 SLOWEST_FIRST = ("test_multinode.py", "test_slurm.py", "test_memory_estimate.py", "test_chunked_loss.py",
                  "test_preemption.py", "test_gpu_suite.py", "test_async_checkpoint.py", "test_distributed.py",
-                 "test_lora_engines.py", "test_pretrain.py", "test_finetune_dpo.py", "test_finetune_grpo.py", "test_bad_inputs.py",
+                 "test_lora_engines.py", "test_pretrain.py", "test_tensor_parallel.py", "test_finetune_dpo.py",
+                 "test_finetune_grpo.py", "test_bad_inputs.py",
                  "test_lora.py", "test_crash_safety.py", "test_init_parity.py", "test_finetune_classifier.py",
                  "test_resume_guard.py", "test_faults.py", "test_benchmark.py", "test_finetune_causal_lm.py",
                  "test_compile.py", "test_activation_memory.py", "test_fsdp.py")

@@ -134,6 +134,17 @@ def start(cmd: list[str], cwd: str, log_path: str) -> subprocess.Popen | ForkedP
         return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_launched(cmd: list[str], cwd: str, log_path: str) -> list[ForkedProcess]:
+    """`accelerate launch <flags> <script> <arguments>` (cmd) with each process forked, their output appended to
+    `log_path`, not waited for: for the tests that kill a run of several processes (each one SIGKILLed)."""
+    script, envs = launched_environments(cmd[2:], dict(os.environ))
+    open(log_path, "a").close()
+    processes = [_server().Process(target=_run_in_child, args=(script, cwd, env, log_path, log_path)) for env in envs]
+    for process in processes:
+        process.start()
+    return [ForkedProcess(process) for process in processes]
+
+
 def launched_environments(launch_args: list[str], env: dict[str, str]) -> tuple[list[str], list[dict[str, str]]] | None:
     """`accelerate launch <launch_args>` on this machine: the script and its arguments, and each process's
     environment; None where the real launcher must run (several machines, or a launcher other than torchrun's and the

@@ -111,6 +111,14 @@ def test_accelerate_yaml_loads(path, monkeypatch):
         assert config.distributed_type == DistributedType.FSDP and config.mixed_precision == "fp8"
         assert config.fp8_config["backend"] == "AO" and config.fsdp_config["fsdp_version"] == 2
         assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
+    elif name in ("tp.yaml", "fsdp2_tp.yaml"):  # accelerate's parallelism_config keys; sizes x = the process count
+        sizes = config.parallelism_config
+        assert sizes["parallelism_config_tp_size"] == 2 and config.mixed_precision == "bf16"
+        assert sizes.get("parallelism_config_dp_shard_size", 1) * 2 == config.num_processes
+        assert config.distributed_type == (DistributedType.FSDP if name == "fsdp2_tp.yaml" else DistributedType.MULTI_GPU)
+        if name == "fsdp2_tp.yaml":
+            assert config.fsdp_config["fsdp_version"] == 2
+            assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     elif name == "fp8.yaml":
         assert config.mixed_precision == "fp8" and config.fp8_config["backend"] == "AO"
     elif name == "default.yaml":  # the Quick start's: one process wherever it runs, the script's flags pick precision

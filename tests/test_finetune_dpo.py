@@ -545,7 +545,7 @@ def test_an_entry_of_another_base_or_split_under_this_key_is_never_read(tmp_path
     from datasets import Dataset
     from transformers import LlamaConfig
 
-    from common.features.dpo_reference import precompute_reference
+    from common.features.reference import precompute_reference
 
     rng = random.Random(0)
     data = {split: Dataset.from_dict({"prompt_ids": [[rng.randrange(1, 50) for _ in range(3)] for _ in range(n)],

@@ -36,7 +36,7 @@ from conftest import ROOT
 
 SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
                 "perf_long_full,perf_qlora_8b,dpo_zero3,perf_trainer*,perf_peer_table,perf_profile_step,perf_*_8x")
-CUDA_ONLY = {"fp16", "tf32", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets", "liger",
+CUDA_ONLY = {"fp16", "tf32", "tp", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets", "liger",
              "sft_liger", "dpo_liger"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
             "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier", "perf_baseline",

@@ -56,7 +56,8 @@ class RunRecord:
     def __init__(self, args: argparse.Namespace, script: str, accelerator: Accelerator, config,
                  data_flags: tuple[str, ...], resume_from: str | None) -> None:
         batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        num_processes = accelerator.num_processes
+        pc = accelerator.parallelism_config  # the tp processes of a group train on the same sequences
+        num_processes = accelerator.num_processes // (pc.tp_size if pc else 1)
         self.fields = {
             "script": script,
             "global_batch": {"sequences": batch * accumulation * num_processes, "per_device": batch,
@@ -320,12 +321,18 @@ def zero_partition_count(checkpoint_dir: str) -> int | None:
 
 
 def check_resume_process_count(accelerator: Accelerator, checkpoint_dir: str | None) -> None:
-    """Refuse, in one line and before any heavy work, a ZeRO checkpoint resumed at another process count.
+    """Refuse, in one line and before any heavy work, a ZeRO checkpoint resumed at another process count, and a
+    sharded DCP checkpoint (FSDP2, TP) resumed by an engine that loads only whole states.
 
     DeepSpeed cannot re-partition ZeRO optimizer states; it would raise only after the data and the model are built.
     (Its universal-checkpoint conversion does not fit accelerate's checkpoint layout: not offered here.) FSDP2's
     sharded checkpoints are torch.distributed.checkpoint folders and load at any process count, so they pass.
     """
+    if checkpoint_dir and accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED) \
+            and os.path.isdir(os.path.join(checkpoint_dir, "pytorch_model_fsdp_0")):
+        fail_on_every_rank(accelerator, f"--resume_from_checkpoint {checkpoint_dir} holds sharded (FSDP2 or tensor-"
+                           "parallel) torch.distributed.checkpoint states, which this run's engine cannot load: resume "
+                           "under accelerate_configs/fsdp2.yaml, tp.yaml or fsdp2_tp.yaml (any process count)")
     if not checkpoint_dir or accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     saved = zero_partition_count(checkpoint_dir)
