@@ -169,7 +169,7 @@ def load_prompt_data(args: argparse.Namespace, accelerator, config, resume_from:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
     raw = load_raw_datasets(args, columns={args.prompt_column: "--prompt_column"},
-                            check_rows=lambda raw: find_unusable_prompt(raw, args.prompt_column))
+                            check_rows=lambda raw: find_unusable_prompt(raw, args.prompt_column, args))
     if default:  # a prompt ending in a lone newline token is one the SFT model never saw: it would stop at once
         raw = raw.map(lambda row: {"prompt": row["prompt"].rstrip("\n")}, desc="Prompts without their last newline")
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
@@ -209,18 +209,20 @@ def tokenize_prompts(batch: dict, indices: list[int], tokenizer, column: str) ->
     return {"prompt_ids": ids, "index": indices, "length": [len(i) for i in ids]}
 
 
-def find_unusable_prompt(raw, column: str) -> tuple[str, int, str] | None:
+def find_unusable_prompt(raw, column: str, args) -> tuple[str, int, str] | None:
     """The first row (split, index, problem) whose prompt is missing or empty, or chat turns that are not a
     conversation, or of another kind (text, chat) than the first row's."""
     first_kind = None
-    for split, index, (prompt,) in rows_of(raw, [column]):
+    for split, index, (prompt,) in rows_of(raw, [column], args):
         kind = "plain text" if isinstance(prompt, str) else "chat turns"
         first_kind = first_kind or kind
         if prompt is None or (isinstance(prompt, str) and not prompt.strip()) or not prompt:
             return split, index, f"has an empty '{column}'"
         if kind != first_kind:
             return split, index, f"holds {kind} where the first row holds {first_kind}: give every row the same kind"
-        problem = None if kind == "plain text" else chat_problem(list(prompt) + [{"role": "assistant"}], column)
+        # the turn to be generated stands in for the assistant turn a conversation needs; it has no content yet
+        turns = list(prompt) + [{"role": "assistant"}]
+        problem = None if kind == "plain text" else chat_problem(turns, column, responses_from=len(turns))
         if problem:
             return split, index, problem
     return None
