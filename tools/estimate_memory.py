@@ -506,9 +506,11 @@ def launch_settings(command: list[str]) -> tuple[list[str], dict]:
     launch, settings = {}, {}
     if command[:2] == ["accelerate", "launch"]:
         command = command[2:]
-        while command and command[0].startswith("--") and not command[0].endswith(".py"):
-            name, value = command[0][2:], command[1] if len(command) > 1 else ""
-            launch[name], command = value, command[2:]
+        while command and command[0].startswith("--"):
+            following = command[1] if len(command) > 1 else "--"
+            takes_value = not (following.startswith("--") or following.endswith(".py"))  # --quiet takes none
+            launch[command[0][2:]] = following if takes_value else ""
+            command = command[1 + takes_value:]
     if "config_file" in launch:
         if not os.path.isfile(launch["config_file"]):
             fail(f"--config_file {launch['config_file']}: no such file")
