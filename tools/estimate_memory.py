@@ -323,7 +323,7 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
 # batch 2, packed to 2,048 tokens, compile on.
 # The README's 8B commands beyond `--bf16 --gradient_checkpointing --max_seq_length 2048
 # --per_device_train_batch_size 2` (docs/lora.md says what each saves): rank 8 and no dropout on the adapters' inputs
-# (torchtune's configs' rank and dropout), the checkpointed layers' inputs in host memory, the loss over chunks,
+# (torchtune's Llama-3.1 configs' dropout), the checkpointed layers' inputs in host memory, the loss over chunks,
 # AdamW's states in 8 bits; QLoRA's 4-bit scales quantized too.
 RECOMMENDED_8B = {
     "LoRA": ["--use_peft", "--lora_r", "8", "--lora_dropout", "0", "--activation_offloading",
