@@ -207,7 +207,8 @@ class Run:
     ddp_buckets: bool = False  # DDP over several processes: a second fp32 copy of the gradients
 
 
-MODEL_STATES = ("weights", "reference model", "optimizer states", "gradients", "casts", "dequantized weight")  # peak_memory's, not activations
+# peak_memory's parts that are model states, not activations
+MODEL_STATES = ("weights", "reference model", "optimizer states", "gradients", "casts", "dequantized weight")
 
 
 def adapter_input_bytes(shape: ModelShape, run: Run) -> float:
