@@ -207,7 +207,8 @@ class Run:
     ddp_buckets: bool = False  # DDP over several processes: a second fp32 copy of the gradients
 
 
-MODEL_STATES = ("weights", "reference model", "optimizer states", "gradients", "casts", "dequantized weight")  # peak_memory's, not activations
+# peak_memory's parts that are model states, not activations
+MODEL_STATES = ("weights", "reference model", "optimizer states", "gradients", "casts", "dequantized weight")
 
 
 def adapter_input_bytes(shape: ModelShape, run: Run) -> float:
@@ -323,7 +324,7 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
 # batch 2, packed to 2,048 tokens, compile on.
 # The README's 8B commands beyond `--bf16 --gradient_checkpointing --max_seq_length 2048
 # --per_device_train_batch_size 2` (docs/lora.md says what each saves): rank 8 and no dropout on the adapters' inputs
-# (torchtune's configs' rank and dropout), the checkpointed layers' inputs in host memory, the loss over chunks,
+# (torchtune's Llama-3.1 configs' dropout), the checkpointed layers' inputs in host memory, the loss over chunks,
 # AdamW's states in 8 bits; QLoRA's 4-bit scales quantized too.
 RECOMMENDED_8B = {
     "LoRA": ["--use_peft", "--lora_r", "8", "--lora_dropout", "0", "--activation_offloading",
@@ -506,9 +507,11 @@ def launch_settings(command: list[str]) -> tuple[list[str], dict]:
     launch, settings = {}, {}
     if command[:2] == ["accelerate", "launch"]:
         command = command[2:]
-        while command and command[0].startswith("--") and not command[0].endswith(".py"):
-            name, value = command[0][2:], command[1] if len(command) > 1 else ""
-            launch[name], command = value, command[2:]
+        while command and command[0].startswith("--"):
+            following = command[1] if len(command) > 1 else "--"
+            takes_value = not (following.startswith("--") or following.endswith(".py"))  # --quiet takes none
+            launch[command[0][2:]] = following if takes_value else ""
+            command = command[1 + takes_value:]
     if "config_file" in launch:
         if not os.path.isfile(launch["config_file"]):
             fail(f"--config_file {launch['config_file']}: no such file")
