@@ -64,6 +64,8 @@ def timed(*args, **kwargs):
 
 trainer._generate_and_score_completions = timed
 trainer.train()
+times["lengths"] = [row["completions/mean_length"] for row in trainer.state.log_history
+                    if "completions/mean_length" in row]
 print("TIMES " + json.dumps(times))
 '''
 
@@ -93,7 +95,8 @@ def default_prompts(folder: str, count: int) -> str:
     path = os.path.join(folder, "prompts.jsonl")
     with open(train, encoding="utf-8") as f, open(path, "w", encoding="utf-8") as out:
         rows = [json.loads(line)["prompt"] for line in f]
-        out.writelines(json.dumps({"prompt": p}) + "\n" for p in [p for p in rows if len(p) < 400][:count])
+        prompts = [p.rstrip("\n") for p in rows if len(p) < 400][:count]  # as the recipe's default task has them
+        out.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
     return path
 
 
@@ -110,7 +113,8 @@ def ours(args: argparse.Namespace, prompts: str, folder: str) -> dict:
         rows = [r for r in map(json.loads, f) if "loss" in r]
     steps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
     return {"step_seconds": statistics.median(steps),
-            "generation_seconds": statistics.median(r["generation_seconds"] for r in rows[1:])}
+            "generation_seconds": statistics.median(r["generation_seconds"] for r in rows[1:]),
+            "mean_completion_length": statistics.mean(r["completions/mean_length"] for r in rows)}
 
 
 def trl(args: argparse.Namespace, prompts: str, folder: str) -> dict:
@@ -125,7 +129,8 @@ def trl(args: argparse.Namespace, prompts: str, folder: str) -> dict:
         raise SystemExit(f"the TRL run failed:\n{proc.stderr[-3000:]}")
     times = json.loads(line[6:])
     return {"step_seconds": statistics.median(times["steps"][1:]),
-            "generation_seconds": statistics.median(times["generation"][1:])}
+            "generation_seconds": statistics.median(times["generation"][1:]),
+            "mean_completion_length": statistics.mean(times["lengths"])}
 
 
 def main() -> None:
@@ -136,7 +141,7 @@ def main() -> None:
     for name, row in figures.items():
         row["generation_share"] = row["generation_seconds"] / row["step_seconds"]
         print(f"{name}: step {row['step_seconds']:.3f} s, generation and scoring {row['generation_seconds']:.3f} s "
-              f"({row['generation_share']:.0%})")
+              f"({row['generation_share']:.0%}), completions of {row['mean_completion_length']:.1f} tokens")
     figures["speed_vs_trl"] = figures["trl"]["step_seconds"] / figures["ours"]["step_seconds"]
     print(f"ours vs TRL: {figures['speed_vs_trl']:.2f}x (> 1: ours is faster)")
     if args.output:

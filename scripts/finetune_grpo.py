@@ -153,8 +153,8 @@ def main() -> None:
 
 
 def build_dataloaders(args, accelerator, data):
-    """Training batches of completion slots (prompt position, generation index) in GroupSampler's order, so that an
-    optimizer step's micro-batches on all processes hold whole groups; evaluation: one slot per held-out prompt."""
+    """Batches of completion slots (prompt position, generation index) in GroupSampler's order: an optimizer step's
+    micro-batches on all processes hold whole groups. Evaluation: one slot per held-out prompt."""
     ga, processes = args.gradient_accumulation_steps, accelerator.num_processes
     prompts_per_step = args.per_device_train_batch_size * ga * processes // args.num_generations
     sampler = GroupSampler(len(data["train"]), args.num_generations, prompts_per_step, args.num_iterations, args.seed)
@@ -175,25 +175,24 @@ class Rollouts:
     def __init__(self, args, accelerator, tokenizer, raw, data, reference_logps, metrics) -> None:
         self.args, self.accelerator, self.tokenizer, self.raw, self.data = args, accelerator, tokenizer, raw, data
         self.reference_logps, self.metrics, self.kept, self.round = reference_logps, metrics, [], None
+        self.problem = None  # a reward function's misuse on this process, said once all processes know
         self.funcs = args.reward_functions
         self.weights = torch.tensor(args.reward_weights or [1.0] * len(self.funcs), dtype=torch.float64)
         self.filters = warpers(args.temperature, args.top_k, args.top_p, args.min_p)
-        engine = accelerator.distributed_type
-        self.synced = engine == DistributedType.FSDP or (engine == DistributedType.DEEPSPEED and getattr(
-            accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3)
+        self.synced = accelerator.distributed_type == DistributedType.FSDP or getattr(  # weights gathered per forward
+            accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
 
     def state_dict(self) -> dict:  # collective: every process's kept batches reach the main process's file
-        return {"round": self.round, "kept": gather_object([[{k: v.cpu() if torch.is_tensor(v) else v
-                                                              for k, v in b.items()} for b in self.kept]])}
+        kept = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in self.kept]
+        return {"round": self.round, "kept": gather_object([kept])}
 
     def load_state_dict(self, state: dict) -> None:
         if state["round"] is not None and len(state["kept"]) != self.accelerator.num_processes:
             fail_on_every_rank(self.accelerator, "a resume within a round of --num_iterations needs the process "
                                f"count it was saved with ({len(state['kept'])})")
-        self.round = state["round"]
-        to_device = self.accelerator.device
-        self.kept = [{k: v.to(to_device) if torch.is_tensor(v) else v for k, v in b.items()}
-                     for b in (state["kept"][self.accelerator.process_index] if self.round is not None else [])]
+        self.round, device = state["round"], self.accelerator.device
+        self.kept = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
+                     for b in (state["kept"][self.accelerator.process_index] if self.round else [])]
 
     def window(self, model, window: list[list[tuple]], step: int) -> list[dict]:
         """The micro-batches of optimizer step `step` (1-based), ready for the loss."""
@@ -202,6 +201,7 @@ class Rollouts:
             return self.kept
         began = time.perf_counter()
         batches = [self.generate(model, slots, ("train", self.args.seed, first)) for slots in window]
+        self.stop_on_reward_error()
         self.metrics.add_generation(batches, time.perf_counter() - began)
         self.advantages(batches)
         for batch in batches:  # the sampling policy's log-probabilities: needed once the policy has moved
@@ -231,8 +231,15 @@ class Rollouts:
         try:
             batch["rewards"] = score(self.funcs, raw, self.args.prompt_column, texts, ids).to(batch["labels"].device)
         except RewardError as e:
-            fail_on_every_rank(self.accelerator, str(e))
+            self.problem, batch["rewards"] = str(e), torch.full((len(ids), len(self.funcs)), math.nan)
         return batch
+
+    def stop_on_reward_error(self) -> None:
+        """One line on every process when a reward function failed on any (before any update uses its values)."""
+        found = [p for p in gather_object([self.problem]) if p] if self.accelerator.num_processes > 1 else \
+            [self.problem] if self.problem else []
+        if found:
+            fail_on_every_rank(self.accelerator, found[0])
 
     def advantages(self, batches: list[dict]) -> None:
         """The rewards of the step's completions on all processes (groups may span micro-batches and processes) ->
@@ -251,8 +258,7 @@ class Rollouts:
 
 
 def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(completions x functions) -> the weighted sum per completion over the functions that scored it; NaN where
-    none did (TRL's sum of the weighted rewards, NaN-aware)."""
+    """Per completion: the weighted sum of the functions that scored it (NaN where none did), as TRL sums them."""
     total = (rewards.nan_to_num() * weights.to(rewards.device)).sum(1)
     return total.masked_fill(rewards.isnan().all(1), math.nan)
 
@@ -334,6 +340,7 @@ def evaluate_grpo(model, rollouts: Rollouts, dataloader, accelerator, args) -> d
     for slots in dataloader:
         batch = rollouts.generate(model, slots, ("eval", args.seed), split="validation")
         found.append(accelerator.gather_for_metrics(batch["rewards"]))
+    rollouts.stop_on_reward_error()
     rewards = torch.cat(found)
     total = (rewards.nan_to_num() * rollouts.weights.to(rewards.device)).sum(1)
     known = ~rewards.isnan().all(1)
@@ -385,15 +392,14 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     metrics = GroupMetrics(accelerator, args.reward_functions, args.beta)
-    rollouts = Rollouts(args, accelerator, tokenizer, raw, data, build_reference(
-        args, config, accelerator, model, len(tokenizer)), metrics)
+    rollouts = Rollouts(args, accelerator, tokenizer, raw, data, build_reference(args, config, accelerator, model,
+                                                                                  len(tokenizer)), metrics)
     accelerator.register_for_checkpointing(rollouts)  # a round of --num_iterations steps resumes on its completions
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("finetune_grpo", vars(args)))
     log.row_extras = metrics.row
     log.carry(metrics.sums)  # a resumed run's first row counts the completions before the checkpoint
-    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; {steps_per_epoch} "
-                f"optimizer steps per epoch, {total_steps} in all, {args.num_generations} completions per prompt")
+    logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; {total_steps} steps")
 
     # ---- training loop: generate and score the step's completions, then the clipped loss over all of them ---------
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard

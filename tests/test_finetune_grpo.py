@@ -419,3 +419,15 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(grpo, one_pr
                env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
     assert train_losses(out) == train_losses(one_process)
     assert max_difference(weights(out), weights(one_process)) == 0
+
+
+def test_a_reward_function_that_raises_stops_the_run_in_one_line_before_any_update(grpo, tmp_path):
+    out = str(tmp_path / "raises")
+    command = grpo_command(grpo, out, 2)
+    command[command.index(f"{grpo['rewards']}:letters")] = f"{grpo['rewards']}:raises"
+    proc = run_script("finetune_grpo.py", *command[2:], "--per_device_train_batch_size", "8", check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: reward function raises raised ValueError: no score "
+                                                     "today (on rows "), errors
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))  # no step was taken
