@@ -249,7 +249,9 @@ FAST = {
                        "test_a_metrics_row_the_disk_takes_only_in_part_is_not_written_at_all"},
     "test_async_checkpoint.py": {"test_deepspeed_is_refused_in_one_line"},
     "test_memory_estimate.py": {"test_the_answer_adds_up_reads_only_the_config_and_says_if_it_fits",
-                                "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line"},
+                                "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line",
+                                "test_tensor_parallel_states_are_16_bytes_a_held_parameter_and_wide_activations_split",
+                                "test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora"},
     "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
                                 "test_the_upstream_lines_that_force_the_torch_path_still_hold"},
 }

@@ -173,3 +173,70 @@ def test_a_command_the_estimate_cannot_serve_is_one_line(llama_8b_config, capsys
             estimate_memory.main(["--", *command])
         err = capsys.readouterr().err.strip()
         assert stop.value.code == 2 and len(err.splitlines()) == 1 and expected in err, err
+
+
+TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+            vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> str:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(**TINY).save_pretrained(folder)
+    return str(folder)
+
+
+def tensor_parallel_held(config_folder: str, tp: int) -> float:
+    """Parameter elements one process holds under common/features/tensor_parallel.py's plan, counted here by module
+    name: the model's base_model_tp_plan, the embedding and the LM head split over tp, every other one whole."""
+    from fnmatch import fnmatch
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    patterns = [f"{model.base_model_prefix}.{name}" for name in config.base_model_tp_plan]
+    patterns += [f"{model.base_model_prefix}.embed_tokens", "lm_head"]
+    held = 0.0
+    for name, parameter in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        held += parameter.numel() / (tp if any(fnmatch(module, p) for p in patterns) else 1)
+    return held
+
+
+def test_tensor_parallel_states_are_16_bytes_a_held_parameter_and_wide_activations_split(tiny_config):
+    """tp.yaml and fsdp2_tp.yaml rows: model states (without the gathered unit) are 16 bytes per parameter element
+    one process holds under the TP plan (norms whole, the rest split), FSDP2's dp_shard dividing it again; their
+    activations lie between the single GPU's and that divided by tp (the hidden-wide tensors and logits stay whole)."""
+    shape = estimate_memory.model_shape(estimate_memory.parse_args(["--config_name", tiny_config]))
+    assert 0 < shape.replicated < shape.params
+    rows = {o.config: o for o in estimate_memory.options(shape, 4, 4)}
+    assert rows["tp.yaml"].tp == 4 and rows["fsdp2_tp.yaml"].tp == 2
+    assert rows["tp.yaml"].bytes_per_param * shape.params == pytest.approx(16 * tensor_parallel_held(tiny_config, 4))
+    assert rows["fsdp2_tp.yaml"].bytes_per_param * shape.params == pytest.approx(
+        16 * tensor_parallel_held(tiny_config, 2) / 2)
+    for tp in (2, 4):
+        for checkpointing in (False, True):
+            one, split = (estimate_memory.activation_bytes(shape, 512, 2, checkpointing, tp=t) for t in (1, tp))
+            assert one / tp < split < one
+    assert "fsdp2_tp.yaml" not in {o.config for o in estimate_memory.options(shape, 2, 2)}
+
+
+def test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora(tiny_config, capsys):
+    launch = ["accelerate", "launch", "--config_file", os.path.join(ROOT, "accelerate_configs", "tp.yaml"),
+              "--num_processes", "2"]
+    recipe = ["scripts/finetune_causal_lm.py", "--model_name_or_path", tiny_config, "--bf16", "--max_seq_length",
+              "256", "--per_device_train_batch_size", "2"]
+    tp, one = (estimate_memory.command_answer(prefix + recipe, 80) for prefix in (launch, []))
+    shape = estimate_memory.model_shape(estimate_memory.parse_args(["--config_name", tiny_config]))
+    states = 16 * tensor_parallel_held(tiny_config, 2) + 4 * shape.largest_unit / 2  # + the gathered unit's share
+    assert tp["parts"]["model states (TP 2, 2 GPUs)"] == pytest.approx(states, abs=1) and tp["processes"] == 2
+    assert tp["peak_bytes"] == pytest.approx(sum(tp["parts"].values()), abs=len(tp["parts"]))
+    assert one["parts"]["activations kept"] / 2 < tp["parts"]["activations kept"] < one["parts"]["activations kept"]
+    with pytest.raises(SystemExit):
+        estimate_memory.main(["--", *launch, *recipe, "--use_peft"])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not supported with tensor parallelism" in err, err

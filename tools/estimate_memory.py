@@ -27,10 +27,12 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   the unit being computed on the GPU; host RAM holds 18 per parameter (+ bf16 weights).
 - Activations per GPU (Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s, hidden h, L layers,
   a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
-  L·s·b·h·34. With --gradient_checkpointing only each layer's bf16 input stays (2·s·b·h·L) plus one layer's
-  activations while it is recomputed. Logits add s·b·V·12 at the loss's backward (the fp32 log-softmax, its gradient
-  and the input's gradient; measured on a CPU); with --chunked_cross_entropy only one chunk of 1,024 tokens exists at
-  a time (`logits_bytes`).
+  L·s·b·h·34. Tensor parallelism over t GPUs (no sequence parallelism) splits the tensors as wide as the heads or
+  the MLP and leaves those of the hidden width (layer input, norm outputs, residual adds, o/down outputs) whole on
+  every GPU: L·s·b·h·(10 + 24/t + 5·a·s/(h·t)) (Korthikanti's Table 2). With --gradient_checkpointing only each
+  layer's bf16 input stays (2·s·b·h·L) plus one layer's activations while it is recomputed. Logits add s·b·V·12
+  at the loss's backward (the fp32 log-softmax, its gradient and the input's gradient; measured on a CPU); with
+  --chunked_cross_entropy only one chunk of 1,024 tokens exists at a time (`logits_bytes`).
 - One run on one GPU (one command after --, the --use_peft and --activation_modes tables, the GPU suite's memory
   rows): `peak_memory`, by category, the larger of the loss's backward and a decoder layer's backward, a Llama
   layer's activations counted op by op (`layer_activation_bytes`); checked against torch's memory profiler on a CPU,
@@ -40,6 +42,10 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   the bf16 outputs of the matmuls and attention, 2·(q + k + v + attention + o + gate + up + down); offload: 0 on the
   GPU. All but none add one layer's 34·h while it runs or is recomputed. The longest sequence is the largest multiple
   of 1,024 tokens whose total (model states + activations + one chunk of the logits) fits.
+- Tensor parallelism (tp.yaml: TP over all N GPUs; fsdp2_tp.yaml: TP 2 within groups, FSDP2 across N/2): every
+  parameter is split over the TP group but the norms, which are replicated, so a process holds norms + rest/t
+  parameters at 16 bytes each (fp32 weights, gradients, m, v; FSDP2's dp_shard divides that again), plus the gathered
+  bf16 unit's share. The logits stay whole (the LM head's output is gathered).
 - Host RAM per node: every process first builds the fp32 model on the CPU (4 per parameter) except under ZeRO-3
   (built partitioned) and FSDP2 with cpu_ram_efficient_loading (rank 0 only); offloaded states come on top.
 - LoRA / QLoRA (--use_peft adds their table; one GPU or DDP, where each GPU holds the whole base): the frozen base
@@ -93,6 +99,7 @@ class ModelShape:
     lora_per_rank: int | None = None  # adapter parameters per unit of rank: the sum of inputs + outputs
     intermediate: int | None = None  # the MLP's width
     kv_hidden: int | None = None  # keys' (and values') width: heads of keys x head size
+    replicated: int = 0  # parameters tensor parallelism leaves whole on every GPU (the norms); 0 when unknown
 
 
 @dataclass
@@ -103,6 +110,7 @@ class Option:
     states: float        # bytes per GPU: weights, gradients, optimizer states (and gathered unit)
     host: float          # bytes per node
     bytes_per_param: float  # states per GPU / Ψ, without the gathered unit
+    tp: int = 1  # tensor-parallel size: activations split
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
@@ -123,6 +131,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     units = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model.base_model, "layers", [])]
     units += [model.get_input_embeddings().weight.numel(), model.get_output_embeddings().weight.numel()]
     linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
+    # tensor parallelism splits the linear layers and the embeddings; the rest (the norms) is replicated
+    split = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+             for p in m.parameters(recurse=False)}  # a tied head's weight is the embedding's
     return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_unit=max(units),
                       layers=config.num_hidden_layers, hidden=config.hidden_size,
                       heads=config.num_attention_heads, vocab=config.vocab_size,
@@ -131,7 +142,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       lora_per_rank=sum(m.in_features + m.out_features for m in linear),
                       intermediate=config.intermediate_size,
                       kv_hidden=config.hidden_size * getattr(config, "num_key_value_heads", config.num_attention_heads)
-                      // config.num_attention_heads)
+                      // config.num_attention_heads,
+                      replicated=sum(p.numel() for p in model.parameters() if id(p) not in split))
 
 
 # QLoRA: bitsandbytes 0.50's 4-bit matmul is fused in the forward; its backward dequantizes the weight to bf16 for
@@ -156,21 +168,21 @@ def logits_bytes(shape: ModelShape, seq: int, batch: int, chunked: bool, trained
 
 
 def activation_bytes(shape: ModelShape, seq: int, batch: int, checkpointing: bool, sdpa: bool = True,
-                     chunked: bool = False) -> float:
-    """Per-GPU activation memory of one micro-batch (see the module docstring)."""
+                     chunked: bool = False, tp: int = 1) -> float:
+    """Per-GPU activation memory of one micro-batch, `tp`: tensor-parallel size (see the module docstring)."""
     s, b, h, layers = seq, batch, shape.hidden, shape.layers
-    per_layer = s * b * h * (34 + (0 if sdpa else 5 * shape.heads * s / h))
+    per_layer = s * b * h * (10 + (24 + (0 if sdpa else 5 * shape.heads * s / h)) / tp)
     logits = logits_bytes(shape, seq, batch, chunked)
     if checkpointing:
         return 2 * s * b * h * layers + per_layer + logits
     return layers * per_layer + logits
 
 
-def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2, residual: int = 2) -> float:
+def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2, residual: int = 2, tp: int = 1) -> float:
     """Bytes one token keeps per decoder layer for the backward, by activation-memory mode (module docstring);
     `residual`: bytes of a layer's input (4 when the embeddings are fp32, as in full fine-tuning under autocast)."""
     h, i, kv, layers = shape.hidden, shape.intermediate or 4 * shape.hidden, shape.kv_hidden or shape.hidden, shape.layers
-    kept = layer_activation_bytes(shape, residual)
+    kept = layer_activation_bytes(shape, residual, tp)
     every_layer = {"none": kept, "full": residual * h, "offload": 0,
                    "op": 2 * (h + 2 * kv + h + h + 2 * i + h)}  # matmul and attention outputs, bf16
     if mode.startswith("every"):
@@ -179,14 +191,16 @@ def per_token_layer_bytes(shape: ModelShape, mode: str, k: int = 2, residual: in
     return every_layer[mode]
 
 
-def layer_activation_bytes(shape: ModelShape, residual: int = 2) -> float:
+def layer_activation_bytes(shape: ModelShape, residual: int = 2, tp: int = 1) -> float:
     """Bytes a Llama decoder layer saves per token for its backward under bf16 autocast, counted op by op: an fp32
     residual stream (fp32 embeddings) has its two RMSNorms save fp32 tensors (16·h) and autocast cast the norms'
     outputs once per projection (q, k, v, gate, up: 10·h), rotary q and k, the attention's output and o's input
     (8·h + 4·kv), the MLP's gate, up, SiLU and product (8·i): 34·h + 4·kv + 8·i; a bf16 stream saves 20·h + 4·kv
-    + 8·i (measured on a CPU to 0.3 %, five shapes). Korthikanti's 34·h is a GPT layer's (MLP 4·h wide, no casts)."""
+    + 8·i (measured on a CPU to 0.3 %, five shapes). Korthikanti's 34·h is a GPT layer's (MLP 4·h wide, no casts).
+    Under tensor parallelism over `tp` GPUs the heads-wide (8·h + 4·kv) and MLP-wide (8·i) ones are split, the
+    hidden-wide ones (norms and their casts) whole."""
     h, i, kv = shape.hidden, shape.intermediate or 4 * shape.hidden, shape.kv_hidden or shape.hidden
-    return (34 if residual == 4 else 20) * h + 4 * kv + 8 * i
+    return (26 if residual == 4 else 12) * h + (8 * h + 4 * kv + 8 * i) / tp
 
 
 @dataclass
@@ -205,6 +219,7 @@ class Run:
     every: int = 2  # --selective_ac_option k: every k-th layer checkpointed
     reference_bytes: float = 0  # DPO's live reference: a frozen fp32 copy of the model
     ddp_buckets: bool = False  # DDP over several processes: a second fp32 copy of the gradients
+    tp: int = 1  # tensor-parallel size: the heads- and MLP-wide activations split, the head's weight too
 
 
 # peak_memory's parts that are model states, not activations
@@ -241,12 +256,14 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
     states = {"weights": 4 * shape.params if full else base - dequantized + 4 * trained_params,
               "reference model": run.reference_bytes,
               "optimizer states": run.optimizer_bytes * trained_params,
-              "activations kept": tokens * shape.layers * per_token_layer_bytes(shape, mode, run.every, residual)
+              "activations kept": tokens * shape.layers
+              * per_token_layer_bytes(shape, mode, run.every, residual, run.tp)
               + tokens * uncheckpointed * adapter_inputs,
               "casts": 2 * shape.params if full and run.mode == "none" else 0}  # autocast's bf16 weights, kept
-    recomputed = 0 if run.mode == "none" else tokens * (layer_activation_bytes(shape, residual) + adapter_inputs)
-    loss = {"logits": logits_bytes(shape, run.seq, run.batch, run.chunked, full, run.device),
-            "head input and casts": 2 * 4 * tokens * h + (2 * v * h if full and run.mode != "none" else 0)}
+    recomputed = 0 if run.mode == "none" else tokens * (layer_activation_bytes(shape, residual, run.tp)
+                                                         + adapter_inputs)
+    loss = {"logits": logits_bytes(shape, run.seq, run.batch, run.chunked, full, run.device),  # gathered: whole
+            "head input and casts": 2 * 4 * tokens * h + (2 * v * h / run.tp if full and run.mode != "none" else 0)}
     # an adapted layer's backward also holds the gradient of its output and of the residual (bf16) and one MLP-wide
     # bf16 temporary of the op at work (measured at hidden 1,024, MLP 3,584; full fine-tuning's are within its count)
     working = 0 if full else tokens * (4 * h + 2 * (shape.intermediate or 4 * h))
@@ -305,6 +322,9 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
     ddp = "single_gpu.yaml" if n == 1 else "multi_gpu.yaml" if nodes == 1 else "multi_node.yaml"
     buckets = 0 if n == 1 else 4  # DDP's gradient buckets
     eight_bit = "--optim adamw_8bit"
+    tensor_parallel = [("tp.yaml", f"TP {n}: layers split over the GPUs", n, 1)] if n > 1 else []
+    if n >= 4 and n % 2 == 0:
+        tensor_parallel.append(("fsdp2_tp.yaml", f"FSDP2 over {n // 2} x TP 2", 2, n // 2))
     table = [
         (ddp, "", "PyTorch AdamW" + (", DDP" if n > 1 else ""), 18 + buckets, 0, build),
         (ddp, eight_bit, "bitsandbytes 8-bit AdamW", 12 + buckets, 0, build),
@@ -313,11 +333,20 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
         ("deepspeed_zero2.yaml", eight_bit, "ZeRO-2, 8-bit AdamW", 2 + 8 / n, 0, build),
         ("fsdp2.yaml", "", "FSDP2 full shard", 16 / n, unit, 4 * psi),
         ("deepspeed_zero3.yaml", "", "ZeRO-3: + weights sharded", 16 / n, unit, 0),
+        *[(config, "", what, 16 * tp_held(shape, tp) / (dp * psi), unit / tp, build)
+          for config, what, tp, dp in tensor_parallel],
         ("deepspeed_zero2_offload.yaml", "", "ZeRO-2, optimizer on CPU", 2 + 2 / n, 0, max(build, 16 * psi / nodes)),
         ("deepspeed_zero3_offload.yaml", "", "ZeRO-3, optimizer + weights on CPU", 0, unit, 18 * psi / nodes),
     ]
-    return [Option(config, flags, what, per_param * psi + gathered, host, per_param)
+    tp_sizes = {config: tp for config, _, tp, _ in tensor_parallel}
+    return [Option(config, flags, what, per_param * psi + gathered, host, per_param, tp_sizes.get(config, 1))
             for config, flags, what, per_param, gathered, host in table]
+
+
+def tp_held(shape: ModelShape, tp: int) -> float:
+    """Parameters one process of a tensor-parallel group holds: the replicated ones (norms), a 1/tp share of the rest
+    (common/features/tensor_parallel.py's plan)."""
+    return shape.replicated + (shape.params - shape.replicated) / tp
 
 
 # Published, not measured here: torchtune's README ("Memory and training speed"), Llama-3.1-8B on one RTX 4090,
@@ -411,9 +440,12 @@ def report(args: argparse.Namespace) -> str:
     gpus_per_node = args.gpus_per_node or min(args.num_gpus, 8)
     gpu_limit, host_limit = args.gpu_memory_gb * GB, (args.host_memory_gb or math.inf) * GB
     sdpa = args.attn_implementation != "eager"
-    acts = None if shape.hidden is None else [
-        activation_bytes(shape, args.seq_len, args.micro_batch_size, ckpt, sdpa, args.chunked_cross_entropy)
-        for ckpt in (False, True)]
+    def activations(tp: int) -> list[float] | None:  # plain / checkpointed; tensor parallelism splits some
+        return None if shape.hidden is None else [activation_bytes(
+            shape, args.seq_len, args.micro_batch_size, ckpt, sdpa, args.chunked_cross_entropy, tp)
+            for ckpt in (False, True)]
+
+    acts = activations(1)
     source = f"--params {args.params:.3g}" if args.params else (args.config_name or f"preset {args.model_preset}")
     lines = [f"Model: {source}, {shape.params / 1e9:.3g}B parameters; {args.num_gpus} GPU(s) of "
              f"{args.gpu_memory_gb:g} GB ({gpus_per_node} per node)"
@@ -435,7 +467,8 @@ def report(args: argparse.Namespace) -> str:
               "|---|---|---|---|---|---|---|---|"]
     candidates = []  # (rank, option, needs checkpointing): offload is slower than recomputing activations
     for index, opt in enumerate(options(shape, args.num_gpus, gpus_per_node)):
-        totals = [opt.states + a for a in acts] if acts else [opt.states, None]
+        row_acts = activations(opt.tp)
+        totals = [opt.states + a for a in row_acts] if row_acts else [opt.states, None]
         host_ok = opt.host <= HEADROOM * host_limit
         verdict = ("yes" if fits(totals[0], gpu_limit) else
                    "with `--gradient_checkpointing`" if fits(totals[1], gpu_limit) else "no")
@@ -443,8 +476,9 @@ def report(args: argparse.Namespace) -> str:
             verdict = "no (host RAM)"
         if verdict in ("yes", "with `--gradient_checkpointing`"):
             candidates.append(((("offload" in opt.config), verdict != "yes", index), opt, verdict != "yes"))
-        act = f"{acts[0] / GB:.1f} / {acts[1] / GB:.1f} GB" if acts else "n/a"
-        total = f"{totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB" if acts else f"{totals[0] / GB:.1f} GB + activations"
+        act = f"{row_acts[0] / GB:.1f} / {row_acts[1] / GB:.1f} GB" if row_acts else "n/a"
+        total = (f"{totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB" if row_acts
+                 else f"{totals[0] / GB:.1f} GB + activations")
         name = opt.config + (f" + `{opt.flags}`" if opt.flags else "")
         lines.append(f"| {name} | {opt.what} | {opt.bytes_per_param:.3g} | {opt.states / GB:.1f} GB | {act} | "
                      f"{total} | {opt.host / GB:.1f} GB | {verdict} |")
@@ -501,7 +535,7 @@ def recipe_flags(argv: list[str]) -> argparse.Namespace:
 
 def launch_settings(command: list[str]) -> tuple[list[str], dict]:
     """`[accelerate launch [--config_file F] [--num_processes N] ...] scripts/<recipe>.py <flags>` -> (the recipe
-    and its flags, {"config": the YAML's settings, "num_processes": N})."""
+    and its flags, {"config": the YAML's settings, "num_processes": N, "tp": its tensor-parallel size})."""
     import yaml
 
     launch, settings = {}, {}
@@ -521,7 +555,10 @@ def launch_settings(command: list[str]) -> tuple[list[str], dict]:
     processes = int(launch.get("num_processes") or settings.get("num_processes") or 1)
     if settings.get("distributed_type", "NO") == "NO":
         processes = 1
-    return command, {"config": settings, "num_processes": processes}
+    tp = int((settings.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+    if processes % tp:
+        fail(f"{settings.get('file')}: tp_size {tp} does not divide the {processes} processes")
+    return command, {"config": settings, "num_processes": processes, "tp": tp}
 
 
 def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, Run, dict]:
@@ -552,7 +589,7 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
               args.chunked_cross_entropy or args.use_liger_kernel, 2 if args.optim in EIGHT_BIT else 8,
               args.lora_r, args.use_bnb_nested_quant, args.lora_dropout > 0 and (args.keep_dropout or not dpo), device,
               int(option) if option and option.isdigit() else 2, 4 * shape.params if live_reference else 0,
-              launch["num_processes"] > 1)
+              launch["num_processes"] > 1 and launch["tp"] == 1, launch["tp"])
     return shape, run, {"recipe": recipe, "model": source or f"preset {args.model_preset or 'tiny'}",
                         "launch": launch, "optim": args.optim}
 
@@ -560,7 +597,13 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
 def engine_states(shape: ModelShape, run: Run, launch: dict, optim: str) -> tuple[str, float] | None:
     """Per-GPU model states under a sharding config (ZeRO, FSDP2: the options table's bytes); None for one GPU or
     DDP, where `peak_memory` counts them itself."""
-    name = launch["config"].get("file", "")
+    name, n, tp = launch["config"].get("file", ""), launch["num_processes"], launch["tp"]
+    if tp > 1:
+        if run.method != "full fine-tuning":
+            fail(f"{name}: {run.method} (--use_peft) is not supported with tensor parallelism (tp_size {tp}); the "
+                 "recipes refuse it too")
+        held = 16 * tp_held(shape, tp) / (n // tp) + 4 * shape.largest_unit / tp
+        return f"model states (TP {tp}" + (f", FSDP2 over {n // tp}" if n > tp else "") + f", {n} GPUs)", held
     if launch["config"].get("distributed_type", "NO") in ("NO", "MULTI_GPU", "MULTI_CPU"):
         return None
     if run.method != "full fine-tuning":
