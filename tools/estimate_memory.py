@@ -322,7 +322,8 @@ def options(shape: ModelShape, num_gpus: int, gpus_per_node: int) -> list[Option
     ddp = "single_gpu.yaml" if n == 1 else "multi_gpu.yaml" if nodes == 1 else "multi_node.yaml"
     buckets = 0 if n == 1 else 4  # DDP's gradient buckets
     eight_bit = "--optim adamw_8bit"
-    tensor_parallel = [("tp.yaml", f"TP {n}: layers split over the GPUs", n, 1)] if n > 1 else []
+    # TP talks inside every layer: within one node
+    tensor_parallel = [("tp.yaml", f"TP {n}: layers split over the GPUs", n, 1)] if 1 < n <= g else []
     if n >= 4 and n % 2 == 0:
         tensor_parallel.append(("fsdp2_tp.yaml", f"FSDP2 over {n // 2} x TP 2", 2, n // 2))
     table = [
