@@ -75,9 +75,9 @@ from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs,
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
-from common.features.tensor_parallel import (check_tensor_parallel, hide_parallelism_config_on_cpu, shard_model,
-                                             sharding_figures, tensor_parallel_prepared,
-                                             use_tensor_parallel)  # feature: tensor parallel
+from common.features.tensor_parallel import (check_tensor_parallel, gather_for_metrics_over_data_parallel,
+                                             hide_parallelism_config_on_cpu, shard_model, sharding_figures,
+                                             tensor_parallel_prepared, use_tensor_parallel)  # feature: tensor parallel
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
@@ -268,6 +268,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
+    eval_gather = gather_for_metrics_over_data_parallel(accelerator)  # feature: tensor parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)
@@ -310,7 +311,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
-                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator, eval_gather)
             log.write_eval(step, eval_metrics)
         if stop or saving:
             with log.untimed():
@@ -325,7 +326,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
-    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator, eval_gather)
     log.write_eval(progress.step, eval_metrics)
     if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS
