@@ -75,9 +75,9 @@ from common.features.lora import (add_adapter, add_peft_args, base_model_kwargs,
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import refuse_sequence_parallel  # feature: sequence parallel
-from common.features.tensor_parallel import (check_tensor_parallel, gather_for_metrics_over_data_parallel,
-                                             hide_parallelism_config_on_cpu, shard_model, sharding_figures,
-                                             tensor_parallel_prepared, use_tensor_parallel)  # feature: tensor parallel
+from common.features.tensor_parallel import (check_tensor_parallel, hide_parallelism_config_on_cpu, shard_model,
+                                             sharding_figures, tensor_parallel_prepared,
+                                             use_tensor_parallel)  # feature: tensor parallel
 
 logger = get_logger(__name__)
 DATA_FLAGS = ("prompt_column", "completion_column", "messages_column")  # decide the examples: a resume keeps them
@@ -267,8 +267,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
-    eval_gather = gather_for_metrics_over_data_parallel(accelerator)  # feature: tensor parallel
+    eval_gather = tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel (evaluation's gather)
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)

@@ -64,9 +64,9 @@ from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import (accumulate_slices, check_sequence_parallel, slice_windows,
                                                unsliced)  # feature: sequence parallel
 from common.features.streaming import (add_streaming_args, check_streaming_flags, load_streaming_data)  # feature: streaming
-from common.features.tensor_parallel import (check_tensor_parallel, gather_for_metrics_over_data_parallel,
-                                             hide_parallelism_config_on_cpu, shard_model, sharding_figures,
-                                             tensor_parallel_prepared, use_tensor_parallel)  # feature: tensor parallel
+from common.features.tensor_parallel import (check_tensor_parallel, hide_parallelism_config_on_cpu, shard_model,
+                                             sharding_figures, tensor_parallel_prepared,
+                                             use_tensor_parallel)  # feature: tensor parallel
 
 logger = get_logger(__name__)
 
@@ -180,8 +180,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
-    eval_gather = gather_for_metrics_over_data_parallel(accelerator)  # feature: tensor parallel
+    eval_gather = tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel (evaluation's gather)
     train_dataloader, eval_dataloader = unsliced(train_dataloader, eval_dataloader)  # feature: sequence parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there

@@ -4,7 +4,8 @@ processes over gloo (common/features/tensor_parallel.py: torch's DTensor API, th
 In fp32, with accumulation 2 and gradient clipping (max_grad_norm 1: the norms here are 2-4, so every step clips):
 - TP = 2 on 2 processes (both read the same 8 sequences per step) reproduces 1 process x 4 x 2 accumulation steps,
   for pretraining and for SFT (padded batches of very uneven lengths): losses and gradient norms to LOSS_RTOL and
-  GRAD_NORM_RTOL, exported weights to WEIGHT_RTOL (test_distributed.py's and test_fsdp.py's tolerances); the run's
+  GRAD_NORM_RTOL, exported weights to WEIGHT_RTOL (test_distributed.py's and test_fsdp.py's tolerances), the final
+  eval loss to EVAL_RTOL and eval tokens exactly (each example once, a ragged last batch cut right); the run's
   first lines and all_results.json give the mesh and the parameter elements one process holds (about half);
 - FSDP2 (2) x TP (2) on 4 processes (2 sequences x 2 data-parallel groups x 2 accumulation steps) does too;
 - a TP run SIGKILLed after its step-2 checkpoint, started again with `--resume_from_checkpoint auto`, ends with the

@@ -152,14 +152,16 @@ def shard_model(model, accelerator: Accelerator):
     return model
 
 
-def tensor_parallel_prepared(accelerator: Accelerator, model) -> None:
+def tensor_parallel_prepared(accelerator: Accelerator, model):
     """Right after `accelerator.prepare`: the parallelism config `shard_model` set aside is back on the state (the loss
-    scale and the token count read the sizes from it), and the run's first lines say how it is sharded."""
+    scale and the token count read the sizes from it), and the run's first lines say how it is sharded. Returns the
+    `gather` for `evaluate_causal_lm` (None without TP)."""
     if accelerator.state.parallelism_config is None and hasattr(accelerator, "tensor_parallel_config_set_aside"):
         accelerator.state.parallelism_config = accelerator.__dict__.pop("tensor_parallel_config_set_aside")
     if figures := sharding_figures(model, accelerator):
         logger.info(f"Tensor parallel: mesh {figures['mesh']}, {figures['parameters_per_process']:,} parameter "
                     "elements per process")
+    return gather_for_metrics_over_data_parallel(accelerator)
 
 
 def sharding_figures(model, accelerator: Accelerator) -> dict:
