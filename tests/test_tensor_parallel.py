@@ -4,7 +4,8 @@ processes over gloo (common/features/tensor_parallel.py: torch's DTensor API, th
 In fp32, with accumulation 2 and gradient clipping (max_grad_norm 1: the norms here are 2-4, so every step clips):
 - TP = 2 on 2 processes (both read the same 8 sequences per step) reproduces 1 process x 4 x 2 accumulation steps,
   for pretraining and for SFT (padded batches of very uneven lengths): losses and gradient norms to LOSS_RTOL and
-  GRAD_NORM_RTOL, exported weights to WEIGHT_RTOL (test_distributed.py's and test_fsdp.py's tolerances); the run's
+  GRAD_NORM_RTOL, exported weights to WEIGHT_RTOL (test_distributed.py's and test_fsdp.py's tolerances), the final
+  eval loss to EVAL_RTOL and eval tokens exactly (each example once, a ragged last batch cut right); the run's
   first lines and all_results.json give the mesh and the parameter elements one process holds (about half);
 - FSDP2 (2) x TP (2) on 4 processes (2 sequences x 2 data-parallel groups x 2 accumulation steps) does too;
 - a TP run SIGKILLed after its step-2 checkpoint, started again with `--resume_from_checkpoint auto`, ends with the
@@ -30,9 +31,13 @@ from test_distributed import LOSS_RTOL, WEIGHT_RTOL, init_model, train_args  # n
 from test_finetune_causal_lm import sft  # noqa: F401 (fixture)
 from test_fsdp import GRAD_NORM_RTOL, compare_runs, cpu_1proc_launcher, exported_weights, finetune_args
 
-# Clipped, and small: 80 documents (~125 blocks, a dozen steps per epoch), 8 evaluation blocks, no sample.
+# Clipped, and small: 80 documents (~125 blocks, a dozen steps per epoch), no sample; 7 evaluation blocks in batches
+# of 2, which FSDP2 x TP's 2 data-parallel groups leave a remainder of (7 = 4 + 3: the last batch cut after 3 rows).
 CLIPPED = ("--max_grad_norm", "1.0", "--sample_max_new_tokens", "0", "--max_train_samples", "80",
-           "--max_eval_samples", "8")
+           "--max_eval_samples", "7", "--per_device_eval_batch_size", "2")
+
+
+EVAL_RTOL = 1e-7  # what the trained weights' difference leaves (3.6e-8 measured): the evaluation adds nothing
 
 
 def tp_launcher(config: str, num_processes: int) -> list[str]:
@@ -59,9 +64,17 @@ def results(out) -> dict:
         return json.load(f)
 
 
+def same_evaluation(run, reference) -> str:
+    """The final eval figures of a TP run are one process's: each example counted once, the last batch cut right."""
+    got, want = results(run), results(reference)
+    difference = abs(got["eval_loss"] - want["eval_loss"]) / want["eval_loss"]  # perplexity: its exp
+    assert got["eval_tokens"] == want["eval_tokens"] and difference <= EVAL_RTOL, (got, want)
+    return f"eval loss rel diff {difference:.1e}, eval tokens {got['eval_tokens']}"
+
+
 def test_tp2_matches_one_process_and_says_how_it_is_sharded(runs):
     report = compare_runs(runs / "tp2", runs / "one", (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)
-    print(f"tp 2 vs 1 process: {report}")
+    print(f"tp 2 vs 1 process: {report}, {same_evaluation(runs / 'tp2', runs / 'one')}")
     tp, one = results(runs / "tp2"), results(runs / "one")
     assert tp["mesh"] == {"tp": 2} and tp["num_parameters"] == one["num_parameters"]
     assert 0.45 < tp["parameters_per_process"] / tp["num_parameters"] < 0.55  # norms and rotary stay whole: ~half
@@ -129,7 +142,8 @@ def test_sft_tp2_matches_one_process_on_padded_batches(sft, tmp_path):  # noqa: 
                launcher=cpu_1proc_launcher())
     run_script("finetune_causal_lm.py", *finetune_args(sft, tp, 4), "--max_grad_norm", "1.0",
                launcher=tp_launcher("tp.yaml", 2))
-    print(f"sft tp 2 vs 1 process: {compare_runs(tp, one, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
+    print(f"sft tp 2 vs 1 process: {compare_runs(tp, one, (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}, "
+          f"{same_evaluation(tp, one)}")
     assert results(tp)["mesh"] == {"tp": 2} and results(tp)["padding_fraction"] > 0.3
 
 
@@ -137,7 +151,8 @@ def test_fsdp2_x_tp_on_four_processes_matches_one(runs, corpus, init_model):
     out = runs / "fsdp2_tp"
     pretrain(corpus, init_model, out, 2, "fsdp2_tp.yaml", 4)
     print(f"fsdp2 2 x tp 2 vs 1 process: "
-          f"{compare_runs(out, runs / 'one', (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}")
+          f"{compare_runs(out, runs / 'one', (1, 2, 3, 4), LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL)}, "
+          f"{same_evaluation(out, runs / 'one')}")
     assert results(out)["mesh"] == {"dp_shard": 2, "tp": 2}
     assert 0.2 < results(out)["parameters_per_process"] / results(out)["num_parameters"] < 0.3
 

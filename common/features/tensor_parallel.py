@@ -152,14 +152,16 @@ def shard_model(model, accelerator: Accelerator):
     return model
 
 
-def tensor_parallel_prepared(accelerator: Accelerator, model) -> None:
+def tensor_parallel_prepared(accelerator: Accelerator, model):
     """Right after `accelerator.prepare`: the parallelism config `shard_model` set aside is back on the state (the loss
-    scale and the token count read the sizes from it), and the run's first lines say how it is sharded."""
+    scale and the token count read the sizes from it), and the run's first lines say how it is sharded. Returns the
+    `gather` for `evaluate_causal_lm` (None without TP)."""
     if accelerator.state.parallelism_config is None and hasattr(accelerator, "tensor_parallel_config_set_aside"):
         accelerator.state.parallelism_config = accelerator.__dict__.pop("tensor_parallel_config_set_aside")
     if figures := sharding_figures(model, accelerator):
         logger.info(f"Tensor parallel: mesh {figures['mesh']}, {figures['parameters_per_process']:,} parameter "
                     "elements per process")
+    return gather_for_metrics_over_data_parallel(accelerator)
 
 
 def sharding_figures(model, accelerator: Accelerator) -> dict:
@@ -172,3 +174,25 @@ def sharding_figures(model, accelerator: Accelerator) -> dict:
     mesh = {name: size for name, size in (("dp_shard", pc.dp_shard_size), ("tp", pc.tp_size)) if size > 1}
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     return {"mesh": mesh, "parameters_per_process": held}
+
+
+def gather_for_metrics_over_data_parallel(accelerator: Accelerator):
+    """`gather` for `evaluate_causal_lm` under TP (None otherwise): `gather_for_metrics` gathers from every process,
+    so each example would count tp_size times and its last-batch cut (`GradientState.remainder`, counted in
+    data-parallel batches) would keep the wrong rows. This gathers over the mesh's `dp_shard` dimension only (every
+    tp rank then holds the same figures) and cuts the last batch as accelerate does."""
+    pc = accelerator.parallelism_config
+    if pc is None or not pc.tp_enabled:
+        return None
+    group, size = accelerator.torch_device_mesh["dp_shard"].get_group(), pc.dp_shard_size
+
+    def gather(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        gathered = []
+        for tensor in tensors:
+            parts = [torch.empty_like(tensor) for _ in range(size)]
+            torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+            gathered.append(torch.cat(parts))
+        state = accelerator.gradient_state
+        cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+        return tuple(t[:cut] for t in gathered)
+    return gather
