@@ -10,10 +10,10 @@ from accelerate import Accelerator
 
 
 @torch.no_grad()
-def evaluate_causal_lm(model, dataloader, accelerator: Accelerator, gather=None) -> dict[str, float]:
+def evaluate_causal_lm(model, dataloader, accelerator: Accelerator) -> dict[str, float]:
     """Token-mean loss over the whole eval set and its perplexity. Per-example loss sums and token counts go through
-    `gather_for_metrics` (or `gather`: tensor parallelism's gathers over data-parallel ranks only), which drops the
-    examples a process repeated to even out the last batch: the same figure for any number of processes and padding."""
+    `gather_for_metrics`, which drops the examples a process repeated to even out the last batch, so the figure is
+    the same for any number of processes and any padding."""
     model.eval()
     loss_sum, token_count = (torch.zeros((), dtype=torch.float64, device=accelerator.device) for _ in range(2))
     full_rows = None
@@ -23,7 +23,7 @@ def evaluate_causal_lm(model, dataloader, accelerator: Accelerator, gather=None)
         logits = model(**full_batch(batch, full_rows), use_cache=False).logits[:len(labels), :-1].float()
         targets = labels[:, 1:]
         per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
-        sums, counts = (gather or accelerator.gather_for_metrics)((per_token.sum(1), (targets != -100).sum(1)))
+        sums, counts = accelerator.gather_for_metrics((per_token.sum(1), (targets != -100).sum(1)))
         loss_sum += sums.double().sum()
         token_count += counts.double().sum()
     model.train()

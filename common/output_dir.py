@@ -9,14 +9,15 @@ import shutil
 
 from accelerate import Accelerator
 
-from common.paths import CHECKPOINT_DIR, LEFTOVER_PREFIX, LOGS_DIR, MERGED_DIR, METRICS_FILE, RESULTS_FILE
+from common.paths import (CHECKPOINT_DIR, EXIT_STATUS_FILE, LEFTOVER_PREFIX, LOGS_DIR, MERGED_DIR, METRICS_FILE,
+                          RESULTS_FILE)
 
 # The export: the model and tokenizer, or a LoRA run's adapter (peft's adapter_config.json and model card README.md).
 EXPORT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
                 "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt",
                 "adapter_config.json", "README.md")
 # What a run writes into --output_dir (`--overwrite_output_dir` removes these, other files stay).
-RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, MERGED_DIR) + EXPORT_FILES
+RUN_OUTPUTS = (CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE, RESULTS_FILE, MERGED_DIR, EXIT_STATUS_FILE) + EXPORT_FILES
 
 
 def take_over_output_dir(accelerator: Accelerator, output_dir: str, overwrite_output_dir: bool) -> None:

@@ -267,7 +267,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    eval_gather = tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel (evaluation's gather)
+    tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)
     if args.packing:
         check_packing(accelerator, model)
@@ -310,7 +310,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
-                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator, eval_gather)
+                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
         if stop or saving:
             with log.untimed():
@@ -325,7 +325,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation (loss on the responses) and export --------------------------------------------------------
-    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator, eval_gather)
+    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
     if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS

@@ -180,7 +180,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    eval_gather = tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel (evaluation's gather)
+    tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
     train_dataloader, eval_dataloader = unsliced(train_dataloader, eval_dataloader)  # feature: sequence parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
@@ -223,7 +223,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         stop = checked.stop_requested  # a stop signal on any rank: every rank saves this step and returns
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
-                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator, eval_gather)
+                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
             log.write_eval(step, eval_metrics)
         if stop or saving:
             with log.untimed():
@@ -238,7 +238,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation and export --------------------------------------------------------------------------------
-    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator, eval_gather)
+    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
     log.write_eval(progress.step, eval_metrics)
     if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS  # a non-finite weight: nothing exported, the reason printed

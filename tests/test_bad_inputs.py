@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
 import pytest
 
+from common.paths import EXIT_STATUS_FILE
 from conftest import ROOT, SCRIPTS, run_script
 
 
@@ -228,7 +230,7 @@ def tree(folder) -> dict[str, bytes]:
 def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tmp_path, corpus):
     """--overwrite_output_dir with a malformed train file, or a --warmup_steps refused once the data is counted: one
     line, status 2, and the previous run's checkpoints, weights, metrics, tokenizer and lock file (it named the failed
-    run's pid) stay byte for byte."""
+    run's pid) stay byte for byte; only exit_status.json, the record of the last command on the folder, says so."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "a"}\n{"text": "b"\n')
     common = SMALL_RUN + ["--cache_dir", str(tmp_path / "cache")]
@@ -238,6 +240,7 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tm
     before = tree(previous)
     assert {"checkpoints/step_2/model.safetensors", "model.safetensors", "metrics.jsonl", "tokenizer.json",
             "all_results.json"} <= set(before)
+    assert json.loads(before.pop(EXIT_STATUS_FILE))["state"] == "completed"
     lock = (previous / ".lock").read_bytes()  # names the run that wrote the folder
     bad_data = ["--train_file", str(rows), "--validation_file", str(rows)]
     long_warmup = ["--train_file", corpus["train"], "--validation_file", corpus["validation"], "--warmup_steps", "1000"]
@@ -248,7 +251,10 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tm
                           check=False)
         errors = [e for e in proc.stderr.splitlines() if e.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(line), proc.stderr[-3000:]
-        assert tree(previous) == before and (previous / ".lock").read_bytes() == lock
+        after = tree(previous)
+        record = json.loads(after.pop(EXIT_STATUS_FILE))
+        assert (record["exit_status"], record["state"], record["reason"]) == (2, "error", errors[0])
+        assert after == before and (previous / ".lock").read_bytes() == lock
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])

@@ -300,7 +300,7 @@ def test_cli_prints_a_markdown_table_and_a_pick(estimator):
     proc = subprocess.run([sys.executable, ESTIMATE_MEMORY, "--params", "70e9",
                            "--num_gpus", "16", "--gpu_memory_gb", "80"], capture_output=True, text=True, check=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + 9  # header + one per option
+    assert len(rows) == 1 + 10  # header + one per option (tp.yaml only within one node: 16 GPUs are two)
     verdicts = {row.split(" | ")[0][2:]: row.rstrip(" |").rsplit("| ", 1)[1] for row in rows[1:]}
     assert verdicts["multi_node.yaml"] == "no" and verdicts["deepspeed_zero3.yaml"] == "yes"  # 1120 GB vs 70 GB
     assert "Fastest that fits: `accelerate launch --config_file accelerate_configs/fsdp2.yaml" in proc.stdout
@@ -340,10 +340,16 @@ def test_chunked_cross_entropy_counts_one_chunk_of_the_logits(estimator):
     shape = estimator.model_shape(args)
     full, chunk = (estimator.logits_bytes(shape, 2048, 8, chunked) for chunked in (False, True))
     assert full == 2048 * 8 * 128256 * 12
-    assert chunk == (1024 * 128256 * 12 if chunked_loss.OPTIONS is None else 1024 * 128256 * 4 + 16 * 128256 * 2048)
+    on_cpu = estimator.logits_bytes(shape, 2048, 8, True, device="cpu")
+    if chunked_loss.OPTIONS is None:
+        assert chunk == on_cpu == 1024 * 128256 * 12
+    else:  # a chunk's fp32 logits; on CUDA the trained head's bf16 gradient of its cast weight, on a CPU four fp32 copies
+        assert (chunk, on_cpu) == (1024 * 128256 * 4 + 2 * 128256 * 2048, 1024 * 128256 * 4 + 16 * 128256 * 2048)
     plain, chunked = (estimator.activation_bytes(shape, 2048, 8, False, chunked=c) for c in (False, True))
     assert plain - chunked == pytest.approx(full - chunk)
     report = estimator.report(estimator.parse_args(["--model_preset", "1b", "--vocab_size", "128256",
                                                     "--micro_batch_size", "8", "--chunked_cross_entropy"]))
-    said = f"{full / 1e9:.2f} GB in full, {chunk / 1e9:.3f} GB with --chunked_cross_entropy; the table counts one chunk"
+    logits, buffers = 1024 * 128256 * 4, chunk - 1024 * 128256 * 4
+    said = (f"{full / 1e9:.2f} GB in full; with --chunked_cross_entropy {logits / 1e9:.3f} GB for one chunk of 1,024 "
+            f"tokens, plus {buffers / 1e9:.2f} GB of buffers of the trained head's weight; the table counts one chunk")
     assert said in report

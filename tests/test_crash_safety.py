@@ -411,4 +411,5 @@ def test_full_disk_during_the_export_is_one_line_and_leaves_no_part_of_it(refere
         assert proc.stderr.strip().splitlines()[-1] == errors[0]
     else:  # the launcher's status and report (tests/test_bad_inputs.py)
         assert proc.returncode == 1 and f"traceback : {errors[0]}" in proc.stderr
-    assert sorted(os.listdir(copy)) == [".lock", "metrics.jsonl"]  # no config.json, no weights, no leftover
+    # no config.json, no weights, no leftover; the record of how the command ended
+    assert sorted(os.listdir(copy)) == [".lock", "exit_status.json", "metrics.jsonl"]

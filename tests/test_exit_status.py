@@ -49,7 +49,7 @@ def crashed():
 
 @pytest.mark.parametrize("main, status, state, reason", [
     (lambda: None, 0, "completed", ""),
-    (bad_input, 2, "bad_input", "error: --per_device_train_batch_size must be >= 1 (got 0)"),
+    (bad_input, 2, "error", "error: --per_device_train_batch_size must be >= 1 (got 0)"),
     (lambda: sys.exit(143), 143, "stopped",
      "stopped by a signal after saving a checkpoint: rerun with --resume_from_checkpoint latest"),
     (crashed, 1, "failed", "RuntimeError: CUDA out of memory"),
@@ -95,4 +95,4 @@ def test_under_accelerate_launch_the_status_is_in_the_folder(tmp_path, corpus):
     expected = (f"error: --output_dir {out} already holds a run; pass --resume_from_checkpoint latest to continue it "
                 "or --overwrite_output_dir to start over")
     assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == expected, proc.stderr[-3000:]
-    assert exit_status(out) == {"exit_status": 2, "state": "bad_input", "reason": expected}
+    assert exit_status(out) == {"exit_status": 2, "state": "error", "reason": expected}

@@ -5,7 +5,8 @@ by a signal, checkpoint saved) all reach the shell as 1. The script's main proce
 
     {"exit_status": 143, "state": "stopped", "reason": "...", "time": 1764320000}
 
-`state` is one of completed (0), bad_input (2), diverged (3), stopped (143), interrupted (130: Ctrl-C before the
+`state` is one of completed (0), error (2: one `error:` line: bad input, a full disk, a resume that contradicts its
+checkpoint), diverged (3), stopped (143), interrupted (130: Ctrl-C before the
 loop), failed (anything else, with the exception). It describes the last command that ended on the folder. It is
 written whole (temporary name, then rename), and only into a folder that holds a run (its metrics.jsonl): a bad input
 on a fresh or foreign --output_dir still writes nothing. A command removes an earlier one's file when it starts, so a
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from common.errors import ERROR_LINES
 from common.paths import EXIT_STATUS_FILE, LEFTOVER_PREFIX, METRICS_FILE
 
-STATES = {0: "completed", 2: "bad_input", 3: "diverged", 143: "stopped", 130: "interrupted"}
+STATES = {0: "completed", 2: "error", 3: "diverged", 143: "stopped", 130: "interrupted"}
 STOPPED_REASON = "stopped by a signal after saving a checkpoint: rerun with --resume_from_checkpoint latest"
 
 

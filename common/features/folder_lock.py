@@ -11,7 +11,7 @@ import socket
 from typing import IO
 
 from common.errors import fail
-from common.paths import LOCK_FILE
+from common.paths import EXIT_STATUS_FILE, LOCK_FILE
 
 _held_locks: dict[str, IO] = {}  # open for the process's life: the kernel drops the lock when the process dies
 
@@ -64,10 +64,11 @@ def write_holder(lock: IO, text: str) -> None:
 
 
 def folder_state(folder: str) -> dict[str, tuple[int, int]]:
-    """Each entry of `folder` (the lock file aside) with its modification time and size: what a run changes."""
+    """Each entry of `folder` (the lock file and exit_status.json aside) with its modification time and size: what a
+    run changes."""
     state = {}
     for entry in os.scandir(folder):
-        if entry.name != LOCK_FILE:
+        if entry.name not in (LOCK_FILE, EXIT_STATUS_FILE):  # the lock and the record of how a command ended
             stat = entry.stat(follow_symlinks=False)
             state[entry.name] = (stat.st_mtime_ns, stat.st_size)
     return state

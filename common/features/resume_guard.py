@@ -56,7 +56,7 @@ class RunRecord:
     def __init__(self, args: argparse.Namespace, script: str, accelerator: Accelerator, config,
                  data_flags: tuple[str, ...], resume_from: str | None) -> None:
         batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        pc = accelerator.parallelism_config  # the tp processes of a group train on the same sequences
+        pc = getattr(accelerator, "parallelism_config", None)  # the tp processes of a group train on the same sequences
         num_processes = accelerator.num_processes // (pc.tp_size if pc else 1)
         self.fields = {
             "script": script,

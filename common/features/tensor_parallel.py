@@ -152,16 +152,18 @@ def shard_model(model, accelerator: Accelerator):
     return model
 
 
-def tensor_parallel_prepared(accelerator: Accelerator, model):
+def tensor_parallel_prepared(accelerator: Accelerator, model) -> None:
     """Right after `accelerator.prepare`: the parallelism config `shard_model` set aside is back on the state (the loss
-    scale and the token count read the sizes from it), and the run's first lines say how it is sharded. Returns the
-    `gather` for `evaluate_causal_lm` (None without TP)."""
+    scale and the token count read the sizes from it), the accelerator's `gather_for_metrics` gathers over the
+    data-parallel ranks (`gather_for_metrics_over_data_parallel`), and the run's first lines say how it is sharded."""
     if accelerator.state.parallelism_config is None and hasattr(accelerator, "tensor_parallel_config_set_aside"):
         accelerator.state.parallelism_config = accelerator.__dict__.pop("tensor_parallel_config_set_aside")
     if figures := sharding_figures(model, accelerator):
         logger.info(f"Tensor parallel: mesh {figures['mesh']}, {figures['parameters_per_process']:,} parameter "
                     "elements per process")
-    return gather_for_metrics_over_data_parallel(accelerator)
+    gather = gather_for_metrics_over_data_parallel(accelerator)
+    if gather:  # this accelerator's own: the evaluation (common/evaluation.py) calls it unchanged
+        accelerator.gather_for_metrics = gather
 
 
 def sharding_figures(model, accelerator: Accelerator) -> dict:
@@ -177,7 +179,7 @@ def sharding_figures(model, accelerator: Accelerator) -> dict:
 
 
 def gather_for_metrics_over_data_parallel(accelerator: Accelerator):
-    """`gather` for `evaluate_causal_lm` under TP (None otherwise): `gather_for_metrics` gathers from every process,
+    """`gather_for_metrics` under TP (None otherwise): accelerate's gathers from every process,
     so each example would count tp_size times and its last-batch cut (`GradientState.remainder`, counted in
     data-parallel batches) would keep the wrong rows. This gathers over the mesh's `dp_shard` dimension only (every
     tp rank then holds the same figures) and cuts the last batch as accelerate does."""
@@ -186,7 +188,7 @@ def gather_for_metrics_over_data_parallel(accelerator: Accelerator):
         return None
     group, size = accelerator.torch_device_mesh["dp_shard"].get_group(), pc.dp_shard_size
 
-    def gather(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def gather(tensors: tuple[torch.Tensor, ...], use_gather_object: bool = False) -> tuple[torch.Tensor, ...]:
         gathered = []
         for tensor in tensors:
             parts = [torch.empty_like(tensor) for _ in range(size)]
