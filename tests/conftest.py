@@ -89,6 +89,32 @@ def train_losses(output_dir: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
 
 
+def write_tiny_llama_task(d, rows: list[dict], tokenizer_texts: list[str], max_positions: int) -> dict[str, str]:
+    """`rows` as d/train.jsonl (the first 64) and d/validation.jsonl (the rest), and in d/base a tiny Llama (seed 0)
+    with a byte-level BPE tokenizer of 300 entries trained on `tokenizer_texts`: {"dir", "train", "validation",
+    "model"}."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.inputs.data import train_bpe_tokenizer
+
+    paths = {"dir": str(d)}
+    for split, part in (("train", rows[:64]), ("validation", rows[64:])):
+        paths[split] = str(d / f"{split}.jsonl")
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    tokenizer = train_bpe_tokenizer(tokenizer_texts, 300)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_positions,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    paths["model"] = str(d / "base")
+    LlamaForCausalLM(config).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    return paths
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict[str, str]:
     """A small text corpus in train/validation jsonl files (varied, so a tokenizer and a model can learn from it)."""

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses
+from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses, write_tiny_llama_task
 from safetensors.torch import load_file
 
 WEIGHT_TOL = 1e-5
@@ -33,10 +33,6 @@ def load_script(name: str):
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama with its own byte-level BPE tokenizer, and prompt/completion data of very uneven lengths."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from common.inputs.data import train_bpe_tokenizer
-
     d = tmp_path_factory.mktemp("sft")
     rng = random.Random(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -45,21 +41,7 @@ def sft(tmp_path_factory) -> dict[str, str]:
         prompt = "Q: " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 60))) + "\nA:"
         completion = " " + " ".join(rng.choice(words) for _ in range(rng.choice([1, 2, 3, 40, 80])))
         rows.append({"prompt": prompt, "completion": completion})
-    paths = {"dir": str(d)}
-    for split, part in (("train", rows[:64]), ("validation", rows[64:])):
-        paths[split] = str(d / f"{split}.jsonl")
-        with open(paths[split], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in part)
-    tokenizer = train_bpe_tokenizer([r["prompt"] + r["completion"] for r in rows], 300)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    paths["model"] = str(d / "base")
-    LlamaForCausalLM(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
+    return write_tiny_llama_task(d, rows, [r["prompt"] + r["completion"] for r in rows], max_positions=512)
 
 
 def finetune(sft: dict, out: str, *args: str, launcher: list[str] | None = None) -> str:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses
+from conftest import SCRIPTS, launcher, read_metrics, run_script, train_losses, write_tiny_llama_task
 from safetensors.torch import load_file
 from test_finetune_causal_lm import load_script, max_difference
 
@@ -39,30 +39,13 @@ def raises(prompts, completions, **columns):
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama with its own byte-level BPE tokenizer, prompts of uneven lengths, and a reward file."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from common.inputs.data import train_bpe_tokenizer
-
     d = tmp_path_factory.mktemp("grpo")
     rng = random.Random(0)
     rows = [{"prompt": "Q: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) + "\nA:",
              "answer": rng.choice(WORDS)} for _ in range(72)]
-    paths = {"dir": str(d), "rewards": str(d / "rewards.py")}
-    for split, part in (("train", rows[:64]), ("validation", rows[64:])):
-        paths[split] = str(d / f"{split}.jsonl")
-        with open(paths[split], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in part)
     (d / "rewards.py").write_text(REWARDS)
-    tokenizer = train_bpe_tokenizer([" ".join(WORDS)] * 20 + [r["prompt"] for r in rows], 300)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    paths["model"] = str(d / "base")
-    LlamaForCausalLM(config).save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
-    return paths
+    paths = write_tiny_llama_task(d, rows, [" ".join(WORDS)] * 20 + [r["prompt"] for r in rows], max_positions=64)
+    return {**paths, "rewards": str(d / "rewards.py")}
 
 
 # ---- the loss is the formula -----------------------------------------------------------------------------------------
