@@ -67,10 +67,8 @@ class Runner:
         self.context = None
         if prefork:
             self.context = multiprocessing.get_context("forkserver")
-            # deepspeed (imported by accelerate's unwrap_model, ~1 s a run) only where it cannot look for a GPU; this
-            # module: each fork unpickles its target from it
-            cpu_deepspeed = ["deepspeed"] if os.environ.get("DS_ACCELERATOR") == "cpu" else []
-            self.context.set_forkserver_preload(["gpu_suite.preload"] + cpu_deepspeed + [__name__])
+            # this module: each fork unpickles its target from it
+            self.context.set_forkserver_preload(["gpu_suite.preload", __name__])
 
     def start(self) -> None:
         """Start the fork server (now: its imports overlap with the suite's own preparation; idempotent)."""

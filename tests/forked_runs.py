@@ -29,9 +29,8 @@ import traceback
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Imported inside the recipes' functions, ~2 s a run: get_scheduler (transformers.optimization imports peft, which
-# imports bitsandbytes), accelerate's unwrap_model (deepspeed, told the CPU accelerator by DS_ACCELERATOR).
-PRELOAD = ["gpu_suite.preload", "transformers.optimization", "deepspeed", "peft", __name__.rpartition(".")[2]]
+# gpu_suite/preload.py: the recipes' imports, what they import inside functions, then gc.freeze(); this module.
+PRELOAD = ["gpu_suite.preload", __name__.rpartition(".")[2]]
 
 _context = None
 
