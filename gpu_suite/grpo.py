@@ -52,7 +52,7 @@ def prepare(suite: Suite) -> dict:
 
 
 def task_cache(suite: Suite) -> str | None:
-    """Where the default task is built: on a GPU the suite's cache (the perf rows built the default corpus there); on
+    """Where the default task is built: on a GPU the suite's cache (where the perf rows build the default corpus); on
     a CPU the recipes' own (None; built once per machine, where a dry run's work folder is new each time)."""
     return os.path.join(suite.work, "cache") if suite.cuda else None
 
@@ -61,7 +61,9 @@ def benchmark_argv(suite: Suite, model: str, trl: bool) -> list[str]:
     size = shape(suite)
     argv = ["--model_name_or_path", model, "--steps", str(size["steps"]), "--num_generations", str(size["G"]),
             "--per_device_train_batch_size", str(size["batch"]), "--max_completion_length", str(size["length"]),
-            "--num_prompts", "64", *(["--cache_dir", task_cache(suite)] if suite.cuda else [])]
+            "--num_prompts", "64"]
+    if task_cache(suite):
+        argv += ["--cache_dir", task_cache(suite)]
     if suite.seconds_left() < math.inf:  # the part's budget, or the headline row's cap
         argv += ["--time_budget_s", f"{max(suite.seconds_left(), 1):.0f}"]
     return argv + ([] if trl else ["--ours_only"])

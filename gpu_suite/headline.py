@@ -9,9 +9,10 @@ are not waited for. Every row fits 78 GiB (the fp32 baseline, 89.7 GiB at 4 x 2,
 
 First the peer table at 4 x 2,048 (ours, the textbook loop, transformers' Trainer, ours + Liger kernels) and one
 profiled step of ours, then the 8B LoRA/QLoRA memory rows, and last GRPO beside TRL's GRPOTrainer (gpu_suite/grpo.py).
-About 400 s of rows by the times below, the wrapper's whole budget (tools/lent_gpu.sh): the GRPO row is last so that
-a call running long cuts it alone (then `--part headline --only perf_grpo` in a call of its own). What does not fit moved to part 2: the peers at 8 x 2,048
-(`perf_*_8x`, about 240 s), the five 16k long-context rows (about 200 s) and part 1's fp8 row.
+About 400 s of rows by the times below, the wrapper's whole budget (tools/lent_gpu.sh): the GRPO row is last so that a
+call running long cuts it alone (then `--part headline --only perf_grpo` in a call of its own). What does not fit moved
+to part 2: the peers at 8 x 2,048 (`perf_*_8x`, about 240 s), the five 16k long-context rows (about 200 s) and part 1's
+fp8 row.
 """
 
 from __future__ import annotations

@@ -300,7 +300,8 @@ def test_the_grpo_row_fails_in_one_line_without_trl_on_cuda_and_reports_the_rati
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
     assert grpo.check_grpo(suite) == grpo.Outcome("FAIL", grpo.NO_TRL_ON_CUDA) and not built
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "trl" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "trl" else find_spec(name, *a))
     seen = []
 
     def measure(args):
