@@ -94,13 +94,15 @@ def check_grpo(suite: Suite) -> Outcome:
               "num_generations": size["G"], "per_device_train_batch_size": size["batch"],
               "max_completion_length": size["length"]}
     ours = figures["ours"]
-    figure = (f"ours {1e3 * ours['step_seconds']:,.0f} ms a step ({ours['generation_share']:.0%} generating)")
+    figure = f"ours {1e3 * ours['step_seconds']:,.0f} ms a step ({ours['generation_share']:.0%} generating)"
     if figures["trl"] is None:
         figure += "; TRL not run: trl is not importable here (a CPU dry run: ours alone)"
     else:
         theirs = figures["trl"]
         figure += (f", TRL {theirs['version']} {1e3 * theirs['step_seconds']:,.0f} ms "
-                   f"({theirs['generation_share']:.0%} generating): ours {figures['speed_vs_trl']:.2f}x TRL's speed")
+                   f"({theirs['generation_share']:.0%} generating): ours {figures['speed_vs_trl']:.2f}x TRL's speed; "
+                   f"completions of {ours['mean_completion_length']:.1f} / {theirs['mean_completion_length']:.1f} "
+                   "tokens on average")
     figure += (f"; {size['preset']} ({model['parameters'] / 1e6:,.1f}M), {size['batch']} completions (G "
                f"{size['G']}) of <= {size['length']} tokens, {'bf16' if figures['bf16'] else 'fp32'}")
     if not all(math.isfinite(row["step_seconds"]) and row["step_seconds"] > 0

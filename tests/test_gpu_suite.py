@@ -320,7 +320,8 @@ def test_the_grpo_row_fails_in_one_line_without_trl_on_cuda_and_reports_the_rati
     assert args.trl_python == sys.executable and args.bf16 is None and args.time_budget_s == 80
     assert outcome.detail["speed_vs_trl"] == 1.6 and outcome.detail["preset"] == "125m"
     assert outcome.figure == ("ours 500 ms a step (80% generating), TRL 1.16.0 800 ms (75% generating): ours 1.60x "
-                              "TRL's speed; 125m (98.0M), 16 completions (G 8) of <= 64 tokens, bf16")
+                              "TRL's speed; completions of 64.0 / 64.0 tokens on average; 125m (98.0M), 16 "
+                              "completions (G 8) of <= 64 tokens, bf16")
 
 
 def test_grpo_vs_trl_without_trl_here_is_one_line(capsys):
