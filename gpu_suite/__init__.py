@@ -1,6 +1,6 @@
 """The GPU suite: proves the recipes on a GPU (a headline part, correctness, performance), and its plumbing on a CPU.
 
-    python -m gpu_suite --part headline  # the peer table, a profiled step, 8B adapters: one 8-minute H100 call
+    python -m gpu_suite --part headline  # peer table, profiled step, 8B adapters, GRPO: one 8-minute H100 call
     python -m gpu_suite --part 1     # correctness on CUDA: precisions, optimizers, memory techniques, launchers
     python -m gpu_suite --part 2     # performance: the 1b preset at 2048 tokens, through benchmarks/benchmark.py
     python -m gpu_suite --dry-run    # any CPU: tiny preset, 3 steps; CUDA-only rows are SKIP, never PASS
@@ -17,7 +17,7 @@ tools/lent_gpu.sh runs it on a lent GPU machine reached through a file-carrying 
 
 Modules: suite (the runs and their settings), data (the runs' local data), checks (what every row checks), correctness
 (part 1's rows), performance (part 2's rows, the peer table and the profiled step), adapters (part 2's LoRA and QLoRA
-rows on an 8B-shaped model), checkpoints (part 2's asynchronous-checkpoint row), headline (the headline part's rows,
-their order and caps), schedule (which rows run, in what order), report (the table and the results files), runner (how
-a run is started), cli (the flags and main).
+rows on an 8B-shaped model), checkpoints (part 2's asynchronous-checkpoint row), grpo (GRPO beside TRL), headline (the
+headline part's rows, their order and caps), schedule (which rows run, in what order), report (the table and the results
+files), runner (how a run is started), cli (the flags and main).
 """

@@ -17,6 +17,7 @@ from common.flags import ArgumentParser
 from gpu_suite.adapters import adapter_rows
 from gpu_suite.checkpoints import checkpoint_rows
 from gpu_suite.correctness import part1_rows
+from gpu_suite.grpo import grpo_rows
 from gpu_suite.headline import CAPS_S, headline_rows
 from gpu_suite.performance import part2_rows
 from gpu_suite.report import part_label, summary_table, write_results
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     began = time.monotonic()
     args = parse_args()
-    rows = part1_rows() + part2_rows() + adapter_rows() + checkpoint_rows()
+    rows = part1_rows() + part2_rows() + adapter_rows() + checkpoint_rows() + grpo_rows()
     rows = headline_rows(rows) if args.part == "headline" else \
         [r for r in rows if args.part in (None, "all", str(r.part))]
     if args.list:

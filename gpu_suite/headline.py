@@ -8,9 +8,11 @@ its figures and a note), and the next row starts. A benchmark run is stopped as 
 are not waited for. Every row fits 78 GiB (the fp32 baseline, 89.7 GiB at 4 x 2,048 on an H200, is left to part 2).
 
 First the peer table at 4 x 2,048 (ours, the textbook loop, transformers' Trainer, ours + Liger kernels) and one
-profiled step of ours, then the 8B LoRA/QLoRA memory rows. About 360 s of rows by the times below, inside the
-wrapper's 400-s budget (tools/lent_gpu.sh). What does not fit moved to part 2: the peers at 8 x 2,048
-(`perf_*_8x`, about 240 s), the five 16k long-context rows (about 200 s) and part 1's fp8 row.
+profiled step of ours, then the 8B LoRA/QLoRA memory rows, and last GRPO beside TRL's GRPOTrainer (gpu_suite/grpo.py).
+About 400 s of rows by the times below, the wrapper's whole budget (tools/lent_gpu.sh): the GRPO row is last so that a
+call running long cuts it alone (then `--part headline --only perf_grpo` in a call of its own). What does not fit moved
+to part 2: the peers at 8 x 2,048 (`perf_*_8x`, about 240 s), the five 16k long-context rows (about 200 s) and part 1's
+fp8 row.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ CAPS_S = {
     "perf_profile_step": 100.0,  # about 45 s: ours' start and compile, 8 steps, the profile (not measured)
     "perf_lora_8b": 100.0,       # 51 s, H200 11-26; includes building and saving the 8B-shaped base
     "perf_qlora_8b": 70.0,       # 33 s, H200 11-26
-}
+    "perf_grpo": 90.0,           # about 40 s (not measured): building the 125m-shaped model, then ours' and TRL's
+}                                # runs one after the other (each its start, 4 steps of 16 x 64 tokens)
 
 
 def headline_rows(rows: list[Row]) -> list[Row]:

@@ -7,13 +7,14 @@ inductor build takes minutes on two cores), DeepSpeed's CPU Adam for the offload
 performance methods; and the rows that repeat another row's plumbing with other flags (a run of ~10 s each): ZeRO-2
 stays in as the accelerate-launch row (fsdp2 is the same row with another config file; tests/test_distributed.py and
 tests/test_fsdp.py cover the engines on CPUs), perf_lora_8b as the adapters' benchmark row (perf_qlora_8b adds
---load_in_4bit; tests/test_lora.py covers QLoRA).
+--load_in_4bit; tests/test_lora.py covers QLoRA); perf_grpo runs in the headline's dry run.
 The dry run goes through tools/lent_gpu.sh (the lent GPU machine's wrapper: with --dry-run it passes through to
 `python -m gpu_suite` and turns $OUT into --copy_to), so that the wrapper is proven with the suite.
 
 The headline part's dry run (about 70 s) runs its peer rows at the tiny size, their compile tracing only (aot_eager):
-ours, the textbook loop, transformers' Trainer (the Liger row is CUDA only), the peer table and one profiled step; the
-8B adapter rows are left out (perf_lora_8b runs in the full dry run). Each row's result must be on disk before the
+ours, the textbook loop, transformers' Trainer (the Liger row is CUDA only), the peer table, one profiled step and the
+GRPO row at the tiny size (ours alone where trl is not installed, as here); the 8B adapter rows are left out
+(perf_lora_8b runs in the full dry run). Each row's result must be on disk before the
 next row ends, and the peer rows' ratios must be their step times' quotients. Two long-context rows run as on the
 lent machine's torch 2.11, which has no F.linear_cross_entropy (the suite's process has it removed before it starts):
 they must train with the chunked loss's checkpointed chunks and say so. Every memory row's detail carries its peak and
@@ -22,6 +23,7 @@ tools/estimate_memory.py's estimate for its run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -35,7 +37,8 @@ import torch
 from conftest import ROOT
 
 SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
-                "perf_long_full,perf_qlora_8b,dpo_zero3,perf_trainer*,perf_peer_table,perf_profile_step,perf_*_8x")
+                "perf_long_full,perf_qlora_8b,dpo_zero3,perf_trainer*,perf_peer_table,perf_profile_step,perf_*_8x,"
+                "perf_grpo")
 CUDA_ONLY = {"fp16", "tf32", "tp", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets", "liger",
              "sft_liger", "dpo_liger"}
 CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
@@ -111,7 +114,7 @@ def test_cpu_rows_really_run_and_pass(dry_run):
                           "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
                           "perf_long_offload", "perf_qlora_8b", "dpo_zero3", "perf_trainer", "perf_peer_table",
                           "perf_profile_step", "perf_bf16_compile_8x", "perf_plain_loop_8x", "perf_trainer_8x",
-                          "perf_liger_8x"}
+                          "perf_liger_8x", "perf_grpo"}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 
@@ -213,7 +216,7 @@ def test_headline_rows_run_in_order_and_each_is_saved_before_the_next_ends(headl
     rows = table(stdout)
     rows.pop("total")
     assert list(rows) == list(CAPS_S)  # the headline's order, nothing else
-    assert {name for name, (status, _) in rows.items() if status == "PASS"} == PEER_ROWS
+    assert {name for name, (status, _) in rows.items() if status == "PASS"} == PEER_ROWS | {"perf_grpo"}
     for name in ("perf_mfu_goal", "perf_liger"):
         assert rows[name][0] == "SKIP" and rows[name][1].startswith("CUDA only: ")
     # while the second row ran, the file already held the first one's result (the rest: not reached yet)
@@ -257,6 +260,85 @@ def test_headline_peer_rows_carry_their_ratios_and_mfu(headline_dry_run):
     peer_lines = md.split("## Peer table")[1].split("\n## ")[0].splitlines()
     assert [line.split(" | ")[0] for line in peer_lines if line.startswith("| ")][1:] == [
         "| ours", "| textbook loop", "| Trainer"]  # after the header
+
+
+def test_headline_grpo_row_carries_ours_and_trl_or_says_ours_alone(headline_dry_run):
+    """The GRPO row's detail: ours' median step and generation share (its generation over its step); TRL's and ours'
+    speed over it (TRL's step over ours') where trl is importable, else none and the figure says ours ran alone."""
+    _, _, d, _ = headline_dry_run
+    record = json.loads(next((d / "out").glob("*-headline.json")).read_text())
+    grpo = next(r for r in record["rows"] if r["name"] == "perf_grpo")
+    detail, figure = grpo["detail"], grpo["figure"]
+    assert grpo["status"] == "PASS", figure
+    assert (detail["preset"], detail["steps"], detail["bf16"]) == ("tiny", 3, False)
+    runs = [detail["ours"]] + ([detail["trl"]] if detail["trl"] else [])
+    for run in runs:
+        assert 0 < run["generation_seconds"] < run["step_seconds"]
+        assert run["generation_share"] == run["generation_seconds"] / run["step_seconds"]
+        assert 0 < run["mean_completion_length"] <= detail["max_completion_length"]
+    assert figure.startswith(f"ours {1e3 * detail['ours']['step_seconds']:,.0f} ms a step")
+    if importlib.util.find_spec("trl") is None:
+        assert detail["trl"] is None and detail["speed_vs_trl"] is None
+        assert "TRL not run: trl is not importable here (a CPU dry run: ours alone)" in figure
+    else:
+        assert detail["speed_vs_trl"] == detail["trl"]["step_seconds"] / detail["ours"]["step_seconds"]
+        assert f"ours {detail['speed_vs_trl']:.2f}x TRL's speed" in figure
+
+
+def test_the_grpo_row_fails_in_one_line_without_trl_on_cuda_and_reports_the_ratio_with_it(tmp_path, monkeypatch):
+    """On a GPU a missing trl is a FAIL before any work; with TRL's figures the row's ratio is TRL's step over ours'
+    (benchmarks/grpo_vs_trl.py's measure stands in for the two runs here)."""
+    import argparse
+
+    from benchmarks import grpo_vs_trl
+    from gpu_suite import grpo
+
+    built = []
+    suite = argparse.Namespace(cuda=True, work=str(tmp_path), seconds_left=lambda: 80.0,
+                               memo=lambda key, make: built.append(key) or {"path": "model", "parameters": 98e6})
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
+    assert grpo.check_grpo(suite) == grpo.Outcome("FAIL", grpo.NO_TRL_ON_CUDA) and not built
+
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "trl" else find_spec(name, *a))
+    seen = []
+
+    def measure(args):
+        seen.append(args)
+        runs = {"ours": (0.5, 0.4), "trl": (0.8, 0.6)}
+        figures = {name: {"step_seconds": step, "generation_seconds": gen, "generation_share": gen / step,
+                          "mean_completion_length": 64.0, "version": "1.16.0"} for name, (step, gen) in runs.items()}
+        return {**figures, "speed_vs_trl": 0.8 / 0.5, "bf16": True}
+
+    monkeypatch.setattr(grpo_vs_trl, "measure", measure)
+    outcome = grpo.check_grpo(suite)
+    args = seen[0]
+    assert outcome.status == "PASS" and built == ["grpo_model"]
+    assert (args.model_name_or_path, args.steps, args.num_generations, args.per_device_train_batch_size,
+            args.max_completion_length, args.ours_only) == ("model", 4, 8, 16, 64, False)
+    assert args.trl_python == sys.executable and args.bf16 is None and args.time_budget_s == 80
+    assert outcome.detail["speed_vs_trl"] == 1.6 and outcome.detail["preset"] == "125m"
+    assert outcome.figure == ("ours 500 ms a step (80% generating), TRL 1.16.0 800 ms (75% generating): ours 1.60x "
+                              "TRL's speed; completions of 64.0 / 64.0 tokens on average; 125m (98.0M), 16 "
+                              "completions (G 8) of <= 64 tokens, bf16")
+
+
+def test_grpo_vs_trl_without_trl_here_is_one_line(capsys):
+    from benchmarks import grpo_vs_trl
+
+    importable = importlib.util.find_spec("trl") is not None
+    with pytest.raises(SystemExit) as e:
+        grpo_vs_trl.parse_args(["--model_name_or_path", "m", "--steps", "1", "--ours_only"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "--steps must be at least 2: the first step is warm-up")
+    if not importable:
+        with pytest.raises(SystemExit):
+            grpo_vs_trl.parse_args(["--model_name_or_path", "m"])
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            "trl is not importable here: pip install trl==1.16.0, give --trl_python (a venv with TRL) or --ours_only")
+    args = grpo_vs_trl.parse_args(["--model_name_or_path", "m", "--trl_python", "/venv/bin/python"])
+    assert args.trl_python == "/venv/bin/python" and not args.ours_only
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@
 # (results and a tarball of the logs come back); unbuffered output (a call returns only the output's tail).
 # --wheels fetches through ../shared/tools/device_wheels.sh (DEVICE_WHEELS overrides the path): the versions of
 # requirements.txt, transformers and torchdata too (the machine's transformers is older; it has no torchdata), plus
-# torchao for the fp8 rows and liger-kernel for the Liger rows (LIGER, default 0.8.5); then it keeps only
+# torchao for the fp8 rows, liger-kernel for the Liger rows (LIGER, default 0.8.5) and trl for the GRPO row (TRL,
+# default 1.16.0: its other needs are on the machine or carried); then it keeps only
 # bitsandbytes' libraries for the machine's CUDA (BNB_KEEP, default cuda13: its torch 2.11 is built for CUDA 13.0;
 # BNB_KEEP=all keeps them all), 7 MiB of its 41. TRANSFORMERS=none
 # keeps the machine's transformers (13 MB less); EXTRA adds more. PYTHON picks the interpreter (default python3: on
@@ -38,7 +39,8 @@ fetch_wheels() {
   stage=$(mktemp -d)
   mkdir -p "$stage/.git/info"  # the tool notes .whl/ in .git/info/exclude; in a git worktree .git is a file
   (cd "$stage" && BNB=$bnb DS=$ds DATASETS=$datasets \
-     EXTRA="torchao==${TORCHAO:-0.18.0} torchdata==$torchdata liger-kernel==${LIGER:-0.8.5} $transformers ${EXTRA:-}" \
+     EXTRA="torchao==${TORCHAO:-0.18.0} torchdata==$torchdata liger-kernel==${LIGER:-0.8.5} trl==${TRL:-1.16.0} \
+            $transformers ${EXTRA:-}" \
      bash "$tool" >/dev/null)
   rm -rf .whl && mv "$stage/.whl" .whl && rm -rf "$stage"  # one version of each package (two stop the install)
   [ "${BNB_KEEP:-cuda13}" = all ] || for wheel in .whl/bitsandbytes-*.whl; do
