@@ -21,7 +21,7 @@ def pretrain_row(name: str, what: str, flags: list[str], config: str | None = No
             return Outcome(FAIL, run.error)
         return verdict(loss_problems(run, suite.settings.steps) + export_problems(run.out),
                        loss_figure(run) + "; export loads")
-    return Row(name, 1, what, check, cuda_only, needs, slow)
+    return Row(name, 1, what, check, cuda_only, needs, slow, flags=tuple(flags))
 
 
 def check_bf16(suite: Suite) -> Outcome:

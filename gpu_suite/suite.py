@@ -66,6 +66,7 @@ class Row:
     needs: tuple[str, ...] = ()    # modules it imports that the GPU machine may lack
     slow: bool = False             # a build first (compile, CPU Adam): started before the quick rows
     gpus: int = 1                  # GPUs its runs need (more than this machine has: SKIP)
+    flags: tuple[str, ...] = ()    # a pretraining row's flags beside the suite's (its run's command, for the tests)
 
 
 @dataclass

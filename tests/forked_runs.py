@@ -86,10 +86,10 @@ def _run_in_child(cmd: list[str], cwd: str, env: dict[str, str], out_path: str, 
         os._exit(status)
 
 
-def forkable(script: str) -> bool:
-    """A script of this checkout (the server has imported its common/; a copy elsewhere must import its own), unless
-    TEST_FORKED_RUNS=0 asks for plain subprocesses."""
-    inside = os.path.commonpath([ROOT, os.path.abspath(script)]) == ROOT
+def forkable(script: str, imports_this_checkout: bool = False) -> bool:
+    """A script of this checkout, or one elsewhere that imports this checkout's common/ (the server has imported it; a
+    copy with its own common/ must import that), unless TEST_FORKED_RUNS=0 asks for plain subprocesses."""
+    inside = imports_this_checkout or os.path.commonpath([ROOT, os.path.abspath(script)]) == ROOT
     return inside and os.environ.get("TEST_FORKED_RUNS", "1") != "0"
 
 

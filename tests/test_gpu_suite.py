@@ -36,14 +36,16 @@ import pytest
 import torch
 from conftest import ROOT
 
+# Pretraining rows that differ from the bf16 row by their flags only: their flags are checked by the recipe in
+# test_the_pretraining_rows_left_out_pass_the_recipes_flag_checks, not run again (~13 s).
+SAME_PLUMBING = ("fused_adamw", "paged_adamw_8bit", "adafactor", "gradient_checkpointing")
 SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
                 "perf_long_full,perf_qlora_8b,dpo_zero3,perf_trainer*,perf_peer_table,perf_profile_step,perf_*_8x,"
-                "perf_grpo")
+                "perf_grpo," + ",".join(SAME_PLUMBING))
 CUDA_ONLY = {"fp16", "tf32", "tp", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets", "liger",
              "sft_liger", "dpo_liger"}
-CPU_ROWS = {"bf16", "eager", "fused_adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "gradient_checkpointing",
-            "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier", "perf_baseline",
-            "perf_long_op", "perf_lora_8b", "perf_async_checkpoint"}
+CPU_ROWS = {"bf16", "eager", "adamw_8bit", "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier",
+            "perf_baseline", "perf_long_op", "perf_lora_8b", "perf_async_checkpoint"}
 LOSS = re.compile(r"loss (-?[\d.]+|nan|inf) -> (-?[\d.]+|nan|inf) in (\d+) steps")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU check")
@@ -114,7 +116,7 @@ def test_cpu_rows_really_run_and_pass(dry_run):
                           "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
                           "perf_long_offload", "perf_qlora_8b", "dpo_zero3", "perf_trainer", "perf_peer_table",
                           "perf_profile_step", "perf_bf16_compile_8x", "perf_plain_loop_8x", "perf_trainer_8x",
-                          "perf_liger_8x", "perf_grpo"}
+                          "perf_liger_8x", "perf_grpo", *SAME_PLUMBING}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 
@@ -136,6 +138,31 @@ def test_results_files_parse_and_say_dry_run(dry_run):
     md = (d / "out" / f"{stem}.md").read_text()
     assert "DRY RUN on a CPU" in md and "not a GPU result" in md
     assert (d / "out" / f"{stem}-logs.tar.gz").stat().st_size > 0
+
+
+def test_the_pretraining_rows_left_out_pass_the_recipes_flag_checks(tmp_path):
+    """Each pretraining row's command (the suite's arguments and the row's flags) passes pretrain_llama.py's flag
+    checks (on a CPU: the rows that run on one), those the dry run leaves out above included: a renamed flag or value
+    fails here."""
+    import argparse
+    import importlib.util
+
+    from gpu_suite.correctness import part1_rows
+    from gpu_suite.suite import PRETRAIN, Suite, settings_for
+
+    spec = importlib.util.spec_from_file_location("pretrain_llama", PRETRAIN)
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    for name in ("train", "validation"):
+        (tmp_path / f"{name}.jsonl").write_text('{"text": "a b c"}\n')
+    suite = argparse.Namespace(settings=settings_for(False), work=str(tmp_path),
+                               data={name: str(tmp_path / f"{name}.jsonl") for name in ("train", "validation")})
+    rows = {row.name: row for row in part1_rows() if row.flags and not row.cuda_only}  # CUDA's: refused here
+    assert set(SAME_PLUMBING) <= set(rows)
+    for row in rows.values():
+        # an unknown flag or value, or a combination the checks refuse, exits (SystemExit 2) with its one line
+        args = pretrain.parse_args(Suite.pretrain_args(suite) + list(row.flags) + ["--output_dir", str(tmp_path / "o")])
+        assert args.output_dir == str(tmp_path / "o"), row.name
 
 
 def test_largest_preset_per_technique_from_the_estimator():
