@@ -145,3 +145,5 @@ def test_the_loss_leaves_no_logits_alive_through_the_backward():
     loss, _ = backward_loss(outputs, accelerator)
     assert logits() is None and outputs.logits is None and outputs["logits"] is None
     accelerator.backward(loss)  # the backward still runs
+    AcceleratorState._reset_state(True)  # leave no bf16 state to the tests that follow in this process
+    GradientState._reset_state()

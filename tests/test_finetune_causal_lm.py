@@ -113,6 +113,8 @@ def test_exact_loss_equals_full_batch_and_naive_does_not(sft):
 
     def train(mode: str) -> dict[str, torch.Tensor]:
         ga = 1 if mode == "full" else 4
+        AcceleratorState._reset_state(True)  # a process-wide singleton: an earlier test's (bf16, say) would be kept
+        GradientState._reset_state()
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ga)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(sft["model"], dtype=torch.float32)
@@ -130,8 +132,6 @@ def test_exact_loss_equals_full_batch_and_naive_does_not(sft):
                     accelerator.backward(loss)
                     optimizer.step()
                     optimizer.zero_grad()
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     full, exact, naive = train("full"), train("exact"), train("naive")
