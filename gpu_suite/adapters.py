@@ -15,8 +15,7 @@ import random
 import torch
 
 from benchmarks import benchmark
-from common.inputs.modeling import LLAMA_PRESETS
-from gpu_suite.data import WORDS, write_jsonl
+from gpu_suite.data import WORDS, save_preset_llama, write_jsonl
 from gpu_suite.performance import headline_run_flags, tail_note
 from gpu_suite.suite import FAIL, PASS, SFT, Outcome, Row, Suite
 from tools import estimate_memory
@@ -35,8 +34,6 @@ def shape(suite: Suite) -> dict:
 def prepare(suite: Suite) -> dict[str, str]:
     """A base model folder (random bf16 weights, a BPE tokenizer trained here) and prompt/completion rows whose
     completions are cut at the sequence length, so every example holds exactly `seq` tokens (no padding)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from common.inputs.data import train_bpe_tokenizer
 
     size, d = shape(suite), os.path.join(suite.work, "data", "adapters")
@@ -50,17 +47,8 @@ def prepare(suite: Suite) -> dict[str, str]:
              "model": os.path.join(d, f"base-{size['preset']}")}
     if not os.path.isfile(os.path.join(paths["model"], "config.json")):
         tokenizer = train_bpe_tokenizer([r["completion"] for r in rows], 512)
-        config = LlamaConfig(**LLAMA_PRESETS[size["preset"]], vocab_size=size["vocab"],
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        torch.manual_seed(0)
-        with torch.device("cuda" if suite.cuda else "cpu"):  # random initialisation of 8B weights: fast on a GPU
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(paths["model"])
-        tokenizer.save_pretrained(paths["model"])
-        del model
-        if suite.cuda:
-            torch.cuda.empty_cache()
+        save_preset_llama(paths["model"], tokenizer, size["preset"], size["vocab"], torch.bfloat16,
+                          "cuda" if suite.cuda else "cpu")
     return paths
 
 

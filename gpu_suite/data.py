@@ -43,6 +43,28 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
+def save_preset_llama(path: str, tokenizer, preset: str, vocab_size: int, dtype: torch.dtype,
+                      device: str = "cpu") -> int:
+    """A Llama of `preset`'s shape (common.inputs.modeling.LLAMA_PRESETS) with `tokenizer`'s special tokens, random
+    weights (seed 0) of `dtype` built on `device`, saved with the tokenizer into `path`; its parameter count."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from common.inputs.modeling import LLAMA_PRESETS
+
+    config = LlamaConfig(**LLAMA_PRESETS[preset], vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):  # random initialisation of 8B weights: fast on a GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    parameters = model.num_parameters()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return parameters
+
+
 def prepare_sft(suite: Suite, d: str, rng: random.Random) -> None:
     """Prompt/completion pairs of uneven lengths and a tiny Llama with its own BPE tokenizer to fine-tune."""
     from transformers import LlamaConfig, LlamaForCausalLM

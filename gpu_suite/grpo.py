@@ -15,7 +15,7 @@ import os
 import torch
 
 from benchmarks import grpo_vs_trl
-from common.inputs.modeling import LLAMA_PRESETS
+from gpu_suite.data import save_preset_llama
 from gpu_suite.suite import FAIL, PASS, Outcome, Row, Suite
 
 NO_TRL_ON_CUDA = "trl is not importable: carry it (tools/lent_gpu.sh --wheels pins trl==1.16.0)"
@@ -32,8 +32,6 @@ def shape(suite: Suite) -> dict:
 def prepare(suite: Suite) -> dict:
     """The policy's folder (fp32 random weights of the preset's shape, seed 0, and a BPE tokenizer trained on the
     default task's first rows) and its parameter count."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from common.inputs.data import train_bpe_tokenizer
 
     size = shape(suite)
@@ -41,14 +39,9 @@ def prepare(suite: Suite) -> dict:
     with open(grpo_vs_trl.default_task(task_cache(suite)), encoding="utf-8") as f:
         rows = [json.loads(line) for _, line in zip(range(size["tokenizer_rows"]), f)]
     tokenizer = train_bpe_tokenizer([r["prompt"] + r["completion"] for r in rows], size["vocab"])
-    config = LlamaConfig(**LLAMA_PRESETS[size["preset"]], vocab_size=len(tokenizer),
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # both trainers load fp32 and autocast
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return {"path": path, "parameters": model.num_parameters()}
+    # fp32 weights, built on the CPU: both trainers load them and autocast
+    return {"path": path, "parameters": save_preset_llama(path, tokenizer, size["preset"], len(tokenizer),
+                                                          torch.float32)}
 
 
 def task_cache(suite: Suite) -> str | None:

@@ -145,14 +145,10 @@ def test_the_pretraining_rows_left_out_pass_the_recipes_flag_checks(tmp_path):
     checks (on a CPU: the rows that run on one), those the dry run leaves out above included: a renamed flag or value
     fails here."""
     import argparse
-    import importlib.util
 
     from gpu_suite.correctness import part1_rows
-    from gpu_suite.suite import PRETRAIN, Suite, settings_for
-
-    spec = importlib.util.spec_from_file_location("pretrain_llama", PRETRAIN)
-    pretrain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain)
+    from gpu_suite.suite import Suite, settings_for
+    from test_bad_inputs import pretrain
     for name in ("train", "validation"):
         (tmp_path / f"{name}.jsonl").write_text('{"text": "a b c"}\n')
     suite = argparse.Namespace(settings=settings_for(False), work=str(tmp_path),
