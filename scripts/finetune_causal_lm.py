@@ -45,7 +45,7 @@ from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
-from common.inputs.responses import (build_docstring_task, chat_problem, check_template_renders, check_tokenized,
+from common.inputs.responses import (build_docstring_task, chat_problem, check_tokenized, naming_the_failing_row,
                                      render_chat, rows_of, text_problem, tokenize_with_response_labels)
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
@@ -172,13 +172,11 @@ def load_sft_data(args, accelerator, config, resume_from: str | None):
     if use_messages and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.messages_column}') but the tokenizer has no chat template: pass "
              "--chat_template FILE, or use prompt/completion columns")
-    if use_messages:
-        check_template_renders(args, lambda: render_chat(tokenizer, raw["train"][0][args.messages_column]))
     max_length = args.max_seq_length or min(tokenizer.model_max_length,
                                             getattr(config, "max_position_embeddings", None) or 2048, 2048)
     columns = dict(messages_column=args.messages_column) if use_messages else \
         dict(prompt_column=args.prompt_column, completion_column=args.completion_column)
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), naming_the_failing_row(args, [args.messages_column]):
         data = raw.map(tokenize_sft_rows, batched=True, num_proc=args.preprocessing_num_workers,
                        fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, **columns),
                        remove_columns=raw["train"].column_names, desc="Tokenizing")

@@ -23,6 +23,7 @@ from common.errors import fail
 from common.upstream import dataset_fingerprint
 from common.inputs import from_pretrained_or_fail
 from common.inputs.cache import cached_folder
+from common.inputs.json_types import json_features
 
 logger = get_logger(__name__)
 
@@ -123,7 +124,8 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         if getattr(args, "validation_file", None):
             files["validation"] = args.validation_file
         builder = data_format(files["train"])
-        kwargs = {"keep_linebreaks": True} if builder == "text" else {}
+        kwargs = {"keep_linebreaks": True} if builder == "text" else \
+            {"features": json_features(files)} if builder == "json" else {}
         try:
             raw = load_dataset(builder, data_files=files, **kwargs)
             for split in raw.values():  # a JSON file read with the train file's columns is not checked for UTF-8
@@ -212,16 +214,6 @@ def find_bad_row(path: str, builder: str) -> str | None:
         except ValueError as e:
             return f"not valid JSON ({e})"
     return None
-
-
-def json_rows(path: str):
-    """Each row of a JSON lines file (or of a JSON document holding a list of rows) as the file holds it. `datasets`
-    casts each column to one type: a chat row among text rows of a file (past its first 10 MB, or in a validation file
-    read with the train file's types) reaches the recipe as its JSON text."""
-    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not the data's (datasets drops it too)
-        document = f.read(1) == "["
-        f.seek(0)
-        yield from json.load(f) if document else (json.loads(line) for line in f if line.strip())
 
 
 def columns_of(path: str, builder: str) -> set[str]:

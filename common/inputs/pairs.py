@@ -15,7 +15,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from common.errors import fail
 from common.inputs.data import get_tokenizer, load_raw_datasets
-from common.inputs.responses import (build_preference_task, chat_problem, check_template_renders, check_tokenized,
+from common.inputs.responses import (build_preference_task, chat_problem, check_tokenized, naming_the_failing_row,
                                      rows_of, tokenize_prompt_and_responses)
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,9 @@ def load_preference_data(args: argparse.Namespace, accelerator, config, resume_f
     if not isinstance(first[args.prompt_column], str) and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.prompt_column}') but the tokenizer has no chat template: pass "
              "--chat_template FILE, or use plain-text columns")
-    if not isinstance(first[args.prompt_column], str):  # the prompt, and each response after it
-        check_template_renders(args, lambda: tokenize_prompt_and_responses(
-            tokenizer, first[args.prompt_column], [first[args.chosen_column], first[args.rejected_column]]))
     max_length = args.max_seq_length or min(tokenizer.model_max_length,
                                             getattr(config, "max_position_embeddings", None) or 2048, 2048)
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), naming_the_failing_row(args, list(columns)):
         data = raw.map(tokenize_pairs, batched=True, with_indices=True, num_proc=args.preprocessing_num_workers,
                        fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, columns=tuple(columns)),
                        remove_columns=raw["train"].column_names, desc="Tokenizing")

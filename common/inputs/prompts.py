@@ -24,7 +24,8 @@ from accelerate.logging import get_logger
 
 from common.errors import fail
 from common.inputs.data import get_tokenizer, load_raw_datasets
-from common.inputs.responses import build_docstring_task, chat_problem, rows_of
+from common.inputs.responses import (apply_template, build_docstring_task, chat_problem, naming_the_failing_row,
+                                     rows_of, with_parts_joined)
 
 logger = get_logger(__name__)
 
@@ -179,7 +180,7 @@ def load_prompt_data(args: argparse.Namespace, accelerator, config, resume_from:
     context = args.max_seq_length or min(tokenizer.model_max_length,
                                          getattr(config, "max_position_embeddings", None) or 2048)
     room = context - args.max_completion_length
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), naming_the_failing_row(args, [args.prompt_column]):
         data = raw.map(tokenize_prompts, batched=True, with_indices=True, remove_columns=raw["train"].column_names,
                        fn_kwargs=dict(tokenizer=tokenizer, column=args.prompt_column), desc="Tokenizing prompts")
     for split in ("train", "validation"):
@@ -204,7 +205,7 @@ def tokenize_prompts(batch: dict, indices: list[int], tokenizer, column: str) ->
         if isinstance(prompt, str):
             ids.append(tokenizer(prompt)["input_ids"])
         else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = apply_template(tokenizer, with_parts_joined(prompt), (prompt,), add_generation_prompt=True)
             ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return {"prompt_ids": ids, "index": indices, "length": [len(i) for i in ids]}
 

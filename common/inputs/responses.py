@@ -11,14 +11,16 @@ import json
 import os
 import random
 import textwrap
-from collections.abc import Callable
+from contextlib import contextmanager
 from functools import partial
 
 from accelerate.logging import get_logger
+from datasets import load_dataset
 
 from common.errors import fail
 from common.inputs.cache import cached_folder
-from common.inputs.data import build_default_corpus, data_format, json_rows
+from common.inputs.data import build_default_corpus, data_format
+from common.inputs.json_types import json_rows
 
 logger = get_logger(__name__)
 
@@ -26,16 +28,10 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def rows_of(raw, columns: list[str], args: argparse.Namespace):
-    """Each row of the train and validation splits as (split, index, values of `columns`); a split without those
-    columns is passed over (the column check names what is missing). A split read from a JSON file is read as the file
-    holds it (`json_rows`: `datasets` may hand a chat row over as its JSON text), any other 1,000 rows at a time."""
-    files = {} if args.dataset_name else {"train": args.train_file, "validation": args.validation_file}
+    """Each row of the train and validation splits as (split, index, values of `columns`), 1,000 rows at a time; a
+    split without those columns is passed over (the column check names what is missing)."""
     for split in ("train", "validation"):
         if split not in raw or not set(columns) <= set(raw[split].column_names):
-            continue
-        if files.get(split) and data_format(files[split]) == "json":
-            for index, row in enumerate(json_rows(files[split])):
-                yield split, index, tuple(row.get(column) if isinstance(row, dict) else None for column in columns)
             continue
         rows = raw[split].select_columns(columns)
         for start in range(0, len(rows), 1000):
@@ -56,12 +52,85 @@ def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
         if role not in CHAT_ROLES:
             return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
         content = message.get("content")
+        if isinstance(content, list):
+            other = next((part for part in content if not is_text_part(part)), None)
+            if other is not None:
+                kind = f"a part of type {other.get('type')!r}" if isinstance(other, dict) else f"a part {other!r}"
+                return (f"has {kind} in turn {number} of '{column}': the recipes train text-only models, which take "
+                        'text parts only ({"type": "text", "text": ...})')
+            content = joined_text(content)
+        elif content is not None and not isinstance(content, str):
+            return f"has content {content!r} in turn {number} of '{column}': give text or a list of text parts"
         if role == "assistant" and number > responses_from and not message.get("tool_calls") and \
                 not (content.strip() if isinstance(content, str) else content):
             return f"has an empty '{column}' response (turn {number - responses_from})"
     if not any(message["role"] == "assistant" for message in messages):
         return "has no assistant turn: nothing in it to learn"
     return None
+
+
+def is_text_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def joined_text(parts: list[dict]) -> str:
+    """The text that a message's text parts spell: joined with a newline, as vLLM's OpenAI-compatible server joins
+    them for a chat template that takes text (vllm/entrypoints/chat_utils.py, `"\\n".join(texts)`)."""
+    return "\n".join(part["text"] for part in parts)
+
+
+def with_parts_joined(messages: list[dict]) -> list[dict]:
+    """The messages with each content given in text parts (checked by `chat_problem`) as the text they spell: a row
+    in parts renders, and trains, exactly as the same row written as text."""
+    return [{**message, "content": joined_text(message["content"])}
+            if isinstance(message, dict) and isinstance(message.get("content"), list) else message
+            for message in messages]
+
+
+class TemplateFailure(Exception):
+    """The chat template failed on a row: (the row's values, the template's message). Raised inside `datasets.map`;
+    `naming_the_failing_row` says it in one line."""
+
+
+def apply_template(tokenizer, messages: list[dict], row: tuple, **kwargs) -> str:
+    """The chat template's text for `messages` (whose parts are joined already); a template that compiles may still
+    fail on a conversation (`messages[7]` of a shorter one, its own `raise_exception`, an undefined name): that is a
+    TemplateFailure carrying `row`, the values of the row being rendered, and the template's own message."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - what a template raises: jinja2's errors, or Python's from its expressions
+        raise TemplateFailure(row, (str(e).strip().splitlines() or [type(e).__name__])[0]) from None
+
+
+@contextmanager
+def naming_the_failing_row(args: argparse.Namespace, columns: list[str]):
+    """Around the tokenizing pass: a TemplateFailure becomes one line naming the template, the file and the row (the
+    first row of the files, in their order, holding the failing values), and the template's message."""
+    try:
+        yield
+    except TemplateFailure as failure:
+        values, message = failure.args
+        name = getattr(args, "chat_template", None)
+        template = f"--chat_template {name}" if name else \
+            f"the chat template of {args.tokenizer_name or args.model_name_or_path}"
+        for where, index, row in rows_in_file_order(args):
+            if tuple(row.get(column) for column in columns) == tuple(values):
+                fail(f"{template} fails on row {index + 1} of {where}: {message}")
+        fail(f"{template} fails on a row: {message}")
+
+
+def rows_in_file_order(args: argparse.Namespace):
+    """(where, index, row) for each row of the data files, or of the dataset's splits, in the order they hold them
+    (before any validation split is cut from the train file): read again, only after a failure."""
+    if args.dataset_name:
+        for split, rows in load_dataset(args.dataset_name, args.dataset_config_name).items():
+            yield from ((f"--dataset_name {args.dataset_name} ({split} split)", i, row) for i, row in enumerate(rows))
+        return
+    for flag, path in (("--train_file", args.train_file), ("--validation_file", args.validation_file)):
+        if path:
+            rows = json_rows(path) if data_format(path) == "json" else \
+                load_dataset(data_format(path), data_files=path, split="train")
+            yield from ((f"{flag} {path}", i, row) for i, row in enumerate(rows))
 
 
 def text_problem(row: dict, response_column: str) -> str | None:
@@ -81,30 +150,19 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     A turn's span runs from the end of the conversation rendered up to it (with the generation prompt, e.g.
     `<|im_start|>assistant\\n`) to the end of the conversation rendered through it (its end-of-turn token included).
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    row, messages = (messages,), with_parts_joined(messages)
+    text = apply_template(tokenizer, messages, row)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        before = apply_template(tokenizer, messages[:i], row, add_generation_prompt=True) if i else ""
+        through = apply_template(tokenizer, messages[:i + 1], row)
         if not (text.startswith(before) and text.startswith(through)):
             fail("the chat template renders a conversation differently from its beginning (it may rewrite earlier "
                  "turns), so the assistant turns cannot be located; give prompt/completion columns instead")
         spans.append((len(before), len(through)))
     return text, spans
-
-
-def check_template_renders(args: argparse.Namespace, render_first_row: Callable[[], object]) -> None:
-    """Render the train split's first row with the chat template once, before the tokenizing pass: a template that
-    compiles may still fail on a conversation (`messages[7]` of a shorter one, its own `raise_exception`), and the pass
-    would end in jinja2's traceback. One line with the template's own message instead."""
-    try:
-        render_first_row()
-    except Exception as e:  # noqa: BLE001 - what a template raises: jinja2's errors, or Python's from its expressions
-        template = f"--chat_template {args.chat_template}" if args.chat_template else \
-            f"the chat template of {args.tokenizer_name or args.model_name_or_path}"
-        fail(f"{template} fails on row 1 of the train split: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
 
 
 def tokenize_with_response_labels(tokenizer, text: str, spans: list[tuple[int, int]], plain_text: bool
@@ -135,10 +193,11 @@ def tokenize_prompt_and_responses(tokenizer, prompt, responses: list) -> tuple[l
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         return (tokenizer(prompt)["input_ids"],
                 [tokenizer(r, add_special_tokens=False)["input_ids"] + eos for r in responses])
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    row, prompt = (prompt, *responses), with_parts_joined(prompt)
+    prompt_text = apply_template(tokenizer, prompt, row, add_generation_prompt=True)
     response_ids = []
     for response in responses:
-        text = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+        text = apply_template(tokenizer, prompt + with_parts_joined(response), row)
         if not text.startswith(prompt_text):
             fail("the chat template renders the prompt's turns differently once a response follows them, so the "
                  "response cannot be located; give plain-text prompt/chosen/rejected columns instead")
