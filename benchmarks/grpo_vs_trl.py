@@ -38,7 +38,7 @@ from datasets import load_dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 sys.path.insert(0, {root!r})
-from common.inputs.prompts import compiles
+from common.inputs.rewards import compiles
 
 settings = json.loads({settings!r})
 times = {{"steps": [], "generation": [], "version": trl.__version__}}
