@@ -33,6 +33,18 @@ def letters(prompts, completions, **columns):
 
 def raises(prompts, completions, **columns):
     raise ValueError("no score today")
+
+
+def unscored(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def noted(completions, trainer_state, **kwargs):
+    """letters(), and each call's process, steps done and completion count in calls.txt beside this file."""
+    import os
+    with open(os.path.join(os.path.dirname(__file__), "calls.txt"), "a") as f:
+        f.write(f"{os.environ.get('RANK', '0')} {trainer_state.global_step} {len(completions)}\\n")
+    return letters(None, completions)
 '''
 
 
@@ -374,6 +386,39 @@ def test_trl_reward_functions_are_called_as_trl_calls_them(tmp_path, capsys):
                       "(answer): missing a required argument: 'solution'"], errors
 
 
+def test_a_step_without_reward_logs_nan_and_warns_once(caplog):
+    """A step whose completions no function scored, after steps that had rewards: its row's reward (and the
+    function's mean) is NaN, as TRL's nan-aware mean gives, not 0.0; a warning once, not at every such step. (A run
+    whose first step has none stops: the forked test above.)"""
+    from accelerate import PartialState
+
+    from common.inputs.rollouts import GroupMetrics
+
+    fresh = not PartialState._shared_state
+    PartialState()
+    accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda t, reduction: t, gather=lambda t: t,
+                                  is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
+    rewards = SimpleNamespace(names=["f"], logged_metrics=lambda accelerator: {})
+    metrics = GroupMetrics(accelerator, rewards, beta=0.0)
+    batch = {"completion_mask": torch.ones(4, 3), "truncated": torch.zeros(4, dtype=torch.bool)}
+    group = torch.tensor([0, 0, 1, 1])
+    try:
+        metrics.check_scored(torch.tensor([1.0, 0.0, math.nan, 1.0]), 1)
+        with caplog.at_level("WARNING"):
+            for step in (2, 3):
+                unscored = torch.full((4,), math.nan)
+                metrics.check_scored(unscored, step)
+                metrics.add_generation([batch], 0.1)
+                metrics.add_rewards(unscored.unsqueeze(1), unscored, unscored, group)
+                row = metrics.row()
+                assert math.isnan(row["reward"]) and math.isnan(row["rewards/f/mean"]), row
+        warnings = [r.getMessage() for r in caplog.records if "returned None for every completion" in r.getMessage()]
+        assert len(warnings) == 1 and "step 2: every reward function" in warnings[0], warnings
+    finally:
+        if fresh:
+            PartialState._reset_state()
+
+
 def test_a_users_omp_num_threads_is_kept(monkeypatch):
     """common/features/cpu_threads.py gives a CPU run's processes the cores (4 here, each process a share) unless
     the user set OMP_NUM_THREADS: a 1 the user set is kept, without a launcher (this process's environment) and
@@ -391,7 +436,10 @@ def test_a_users_omp_num_threads_is_kept(monkeypatch):
     threads, found = torch.get_num_threads(), []
     try:
         for launched, users in ((False, True), (True, True), (True, False)):
-            stand_in = subprocess.Popen(["sleep", "30"], env={**clean, **({"OMP_NUM_THREADS": "1"} if users else {})})
+            environment = {**clean, **({"OMP_NUM_THREADS": "1"} if users else {})}
+            stand_in = subprocess.Popen(["sh", "-c", "echo started; read line"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=environment)
+            stand_in.stdout.readline()  # running: its environment is in place (during an exec it reads empty)
             monkeypatch.setattr(os, "getppid", lambda: stand_in.pid)
             monkeypatch.setenv("OMP_NUM_THREADS", "1")
             if launched:
@@ -402,10 +450,10 @@ def test_a_users_omp_num_threads_is_kept(monkeypatch):
             use_all_cores()
             found.append(torch.get_num_threads())
             stand_in.kill()
-            stand_in.wait()
+            stand_in.communicate()
     finally:
         torch.set_num_threads(threads)
-    assert found == [1, 1, 4]
+    assert found == [1, 1, 4], found
 
 
 BAD = {
@@ -518,6 +566,40 @@ def test_processes_and_accumulation_train_the_same_weights(grpo, one_process):
             assert [r.get(key) for r in rows(out)] == pytest.approx([r.get(key) for r in reference], abs=1e-5), key
 
 
+def test_equal_weights_give_equal_steps_on_any_process_count(grpo, tmp_path):
+    """What holds across process counts (docs/grpo.md): a step's completions are a function of the weights and
+    their keys, so equal weights give equal steps. The model's distributions are flat (random weights over 300
+    tokens: entropy above 5 nats of log 300 = 5.7), 16 tokens, lr 2e-3, μ 1, β 0.1. 2 processes x 4 train 3 steps
+    with a checkpoint at step 2; one process x 8 resumes from it: its step 3 has the same completions (the same
+    rewards and lengths, exactly), loss and KL (1e-6) and grad norm (1e-5), and ends within 1e-5 of the same weights.
+    Besides: the held-out prompts are split over the processes (each scored once, 4 per process), reward functions
+    see trainer_state (steps done, max_steps), and the progress bar shows the reward."""
+    import shutil
+
+    shutil.copy(grpo["rewards"], tmp_path / "noted.py")
+    flags = ["--reward_funcs", f"{tmp_path / 'noted.py'}:noted", "--num_iterations", "1", "--learning_rate", "2e-3",
+             "--max_completion_length", "16", "--checkpointing_steps", "2"]
+    ddp = str(tmp_path / "ddp")
+    proc = run_script("finetune_grpo.py", *grpo_command(grpo, ddp, 3)[2:], *flags, "--per_device_train_batch_size",
+                      "4", launcher=launcher("cpu_2proc.yaml"))
+    calls = [tuple(map(int, line.split())) for line in (tmp_path / "calls.txt").read_text().splitlines()]
+    assert sorted({step for _, step, _ in calls}) == [0, 1, 2, 3]  # steps done at each step's generation, then eval
+    assert sorted((rank, n) for rank, step, n in calls if step == 3) == [(0, 4), (1, 4)]  # 8 held out, each once
+    assert "reward=" in proc.stderr
+    one = str(tmp_path / "one")
+    shutil.copytree(ddp, one)
+    run_script("finetune_grpo.py", *grpo_command(grpo, one, 3)[2:], *flags, "--per_device_train_batch_size", "8",
+               "--resume_from_checkpoint", "latest")
+    two, single = rows(ddp), rows(one)
+    assert two[0]["entropy"] > 5 and [r["step"] for r in single] == [1, 2, 3]
+    for key in ("reward", "completions/mean_length", "completions/max_length", "rewards/noted/std"):
+        assert single[2][key] == two[2][key], key
+    assert single[2]["loss"] == pytest.approx(two[2]["loss"], abs=1e-6)
+    assert single[2]["kl"] == pytest.approx(two[2]["kl"], abs=1e-6)
+    assert single[2]["grad_norm"] == pytest.approx(two[2]["grad_norm"], abs=1e-5)
+    assert max_difference(weights(one), weights(ddp)) < WEIGHT_TOL
+
+
 def test_a_killed_run_resumes_exactly(grpo, one_process):
     """SIGKILL after the checkpoint of step 3, in the middle of a round of μ = 2 (its completions and sampling
     log-probabilities travel with the checkpoint), then --resume_from_checkpoint latest: the uninterrupted run's
@@ -567,13 +649,23 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(grpo, one_pr
     assert max_difference(weights(out), weights(one_process)) == 0
 
 
-def test_a_reward_function_that_raises_stops_the_run_in_one_line_before_any_update(grpo, tmp_path):
-    out = str(tmp_path / "raises")
+@pytest.mark.parametrize("reward", ["raises", "unscored"])
+def test_a_reward_function_that_raises_or_scores_nothing_stops_the_run_in_one_line_before_any_update(grpo, tmp_path,
+                                                                                                     reward):
+    """A function that raises: one line naming it and each failing prompt's row once. One that returns None for
+    every completion of the run's first step: one line (TRL would log a NaN reward and learn nothing, silently)."""
+    out = str(tmp_path / reward)
     command = grpo_command(grpo, out, 2)
-    command[command.index(f"{grpo['rewards']}:letters")] = f"{grpo['rewards']}:raises"
+    command[command.index(f"{grpo['rewards']}:letters")] = f"{grpo['rewards']}:{reward}"
     proc = run_script("finetune_grpo.py", *command[2:], "--per_device_train_batch_size", "8", check=False)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith("error: reward function raises raised ValueError: no score "
-                                                     "today (on rows "), errors
+    if reward == "raises":
+        assert len(errors) == 1 and errors[0].startswith("error: reward function raises raised ValueError: no score "
+                                                         "today (on rows "), errors
+        rows_named = errors[0].split("(on rows ")[1].split(" of")[0].split(", ")
+        assert len(rows_named) == 2 and len(set(rows_named)) == 2, errors  # 2 prompts x G 4: each row once
+    else:
+        assert errors == ["error: no reward in step 1, the first of this run: every reward function returned None "
+                          "for every completion"], errors
     assert not os.path.exists(os.path.join(out, "metrics.jsonl"))  # no step was taken
