@@ -346,7 +346,7 @@ def test_trl_reward_functions_are_called_as_trl_calls_them(tmp_path, capsys):
     trainer_state and log_metric, `async def`, an object with an async `__call__`, a partial, and trl.rewards'
     signatures (accuracy_reward's None, think_format_reward, the soft overlong punishment's callable object); names
     as TRL's metrics name them; log_metric's means under their name (eval_ in evaluations). What TRL fails on is one
-    line: no **kwargs, a required positional-only parameter, a column the rows lack."""
+    line: no **kwargs, a required positional-only parameter, a column the rows lack, a column named as a keyword."""
     from common.inputs.rewards import RewardFunctions, check_reward_columns, load_reward_funcs
 
     path = tmp_path / "trl_shapes.py"
@@ -384,6 +384,11 @@ def test_trl_reward_functions_are_called_as_trl_calls_them(tmp_path, capsys):
     errors = [text for text in capsys.readouterr().err.splitlines() if "error:" in text]
     assert errors == ["error: reward function accuracy_reward cannot be called with the columns of the train split "
                       "(answer): missing a required argument: 'solution'"], errors
+    with pytest.raises(SystemExit):
+        check_reward_columns(rewards.funcs, ["answer", "solution", "completions"], "the train split")
+    errors = [text for text in capsys.readouterr().err.splitlines() if "error:" in text]
+    assert errors == ["error: the train split has a column 'completions', the name of a keyword TRL passes to "
+                      "reward functions itself: rename the column"], errors
 
 
 def test_a_step_without_reward_logs_nan_and_warns_once(caplog):

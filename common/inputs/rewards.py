@@ -3,11 +3,12 @@
 
 TRL calls each function with keywords only: `prompts` (as the rows hold them: text or chat turns), `completions`
 (text; chat prompts: `[{"role": "assistant", "content": ...}]`), `completion_ids`, every other column of the rows by
-its name, `trainer_state` (transformers' `TrainerState`: `global_step` the optimizer steps done, `max_steps`, `epoch`),
-`log_extra(column, values)` and `log_metric(name, value)`. An `async def` function (or an object whose `__call__` is
-one, or a `functools.partial` of one) is awaited; a batch's async functions run together on one event loop kept for
-the run, as TRL's. A function returns one value per completion: a number (bools and numpy numbers as well), or None
-for a completion it cannot score (NaN is the same, as in TRL, which turns None into NaN).
+its name (but `completion` and `completion_ids`, which TRL leaves out), `trainer_state` (transformers' `TrainerState`:
+`global_step`, the optimizer steps done, and `max_steps`), `log_extra(column, values)` and `log_metric(name, value)`.
+An `async def` function (or an object whose `__call__` is one, or a `functools.partial` of one) is awaited; a batch's
+async functions run together on one event loop kept for the run, as TRL's. A function returns one value per
+completion: a number (bools and numpy numbers as well), or None for a completion it cannot score (NaN is the same, as
+in TRL, which turns None into NaN).
 
 So `f(completions, **kwargs)`, `f(prompts, completions, answer, **kwargs)`, functions taking `trainer_state` or
 `log_metric`, `trl.rewards`' functions (`accuracy_reward(completions, solution, **kwargs)`, the callables that
@@ -42,6 +43,7 @@ from transformers import TrainerState
 from common.errors import fail
 
 FIXED_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+LEFT_OUT_COLUMNS = ("completion", "completion_ids", "__index__")  # TRL's (with the prompt's); ours: the row's place
 
 
 # ---- the default task's rewards: programs anyone can read ----------------------------------------------------------
@@ -129,7 +131,13 @@ def keyword_problem(func: Callable) -> str | None:
 
 
 def check_reward_columns(funcs: list[Callable], columns: list[str], source: str) -> None:
-    """One line for a reward function that requires a column the data lacks (TRL: a TypeError at the first step)."""
+    """One line for a column named as one of TRL's own keywords, and for a reward function that requires a column
+    the data lacks (TRL: a TypeError at the first step)."""
+    columns = [c for c in columns if c not in LEFT_OUT_COLUMNS]
+    clash = [c for c in columns if c in FIXED_KEYWORDS]
+    if clash:
+        fail(f"{source} has a column {clash[0]!r}, the name of a keyword TRL passes to reward functions itself: "
+             "rename the column")
     keywords = dict.fromkeys([*FIXED_KEYWORDS, *columns])
     for func in funcs:
         try:
@@ -192,7 +200,8 @@ class RewardFunctions:
         function and the prompts' rows when one raises, returns the wrong count or a value that is not a number."""
         self.split = split
         prompts = [row[self.prompt_column] for row in rows]
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in (self.prompt_column, "__index__")}
+        columns = {key: [row[key] for row in rows] for key in rows[0]
+                   if key != self.prompt_column and key not in LEFT_OUT_COLUMNS}
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
                       trainer_state=self.trainer_state, log_extra=self.log_extra, log_metric=self.log_metric)
         where = ", ".join(str(i + 1) for i in dict.fromkeys(row["__index__"] for row in rows))  # each prompt once
