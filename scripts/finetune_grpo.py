@@ -162,8 +162,8 @@ def build_dataloaders(args, accelerator, data):
     ga, processes = args.gradient_accumulation_steps, accelerator.num_processes
     prompts_per_step = args.per_device_train_batch_size * ga * processes // args.num_generations
     sampler = GroupSampler(len(data["train"]), args.num_generations, prompts_per_step, args.num_iterations, args.seed)
-    per_process = math.ceil(len(data["validation"]) / processes)  # whole rounds of batches: no prompt padded in twice
-    eval_batch = math.ceil(per_process / math.ceil(per_process / args.per_device_eval_batch_size))
+    rounds = max(1, math.ceil(len(data["validation"]) / (processes * args.per_device_eval_batch_size)))
+    eval_batch = max(1, math.ceil(len(data["validation"]) / (processes * rounds)))  # even shares (uneven: a few padded)
     slots = lambda items: [divmod(int(i), args.num_generations) for i in items]  # noqa: E731
     train_dataloader = DataLoader(range(len(data["train"]) * args.num_generations), sampler=sampler,
                                   batch_size=args.per_device_train_batch_size, collate_fn=slots)
