@@ -6,8 +6,8 @@
         --train_file prompts.jsonl --reward_funcs my_rewards.py:exact_answer --num_generations 8
 
 Each optimizer step: sample G = --num_generations completions of each of its prompts (transformers' `generate`, each
-completion from its own noise: common/inputs/sampling.py), score them with the reward functions (TRL's signature:
-common/inputs/prompts.py), turn the rewards into advantages within each group of G (minus the group's mean, divided
+completion from its own noise: common/inputs/sampling.py), score them with the reward functions (called as TRL
+calls them: common/inputs/rewards.py), turn the rewards into advantages within each group of G (minus the mean, divided
 by the group's or the batch's std), then update the policy with TRL's clipped per-token loss; with
 --num_iterations μ the same completions serve μ optimizer steps, their sampling log-probabilities kept.
 
