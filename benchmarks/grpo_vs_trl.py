@@ -38,7 +38,7 @@ from datasets import load_dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 sys.path.insert(0, {root!r})
-from common.inputs.prompts import compiles
+from common.inputs.rewards import compiles
 
 settings = json.loads({settings!r})
 times = {{"steps": [], "generation": [], "version": trl.__version__}}
@@ -152,7 +152,7 @@ def ours(args: argparse.Namespace, prompts: str, folder: str, deadline: float | 
     out = os.path.join(folder, "ours")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "finetune_grpo.py"), "--model_name_or_path",
            args.model_name_or_path, "--train_file", prompts, "--validation_split_percentage", "5",
-           "--reward_funcs", "common.inputs.prompts:compiles", "--output_dir", out, "--max_steps",
+           "--reward_funcs", "common.inputs.rewards:compiles", "--output_dir", out, "--max_steps",
            str(args.steps), "--num_generations", str(args.num_generations), "--per_device_train_batch_size",
            str(args.per_device_train_batch_size), "--max_completion_length", str(args.max_completion_length),
            "--loss_type", "dapo", "--beta", "0", "--num_iterations", "1", "--logging_steps", "1", "--seed", "0",

@@ -134,7 +134,7 @@ class StepLog:
         self.peak_flops = peak_flops_per_device() if flops_per_token else None
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
                         disable=not accelerator.is_local_main_process)
-        self.last_row, self.row_extras = {}, dict  # row_extras(): a recipe's own figures for a row (collective)
+        self.last_row, self.row_extras, self.bar_keys = {}, dict, ()  # a recipe's row figures (collective), on the bar
         self.run_padding = self.run_positions = 0
         self._reset()
         self.carried = self.restored = torch.zeros(0, dtype=torch.float64, device=accelerator.device)  # see `carry`
@@ -207,8 +207,8 @@ class StepLog:
         self.writer.write(row)
         acc.log({k: v for k, v in row.items() if v is not None}, step=step)
         shown_loss = math.nan if row["loss"] is None else row["loss"]
-        self.bar.set_postfix(loss=f"{shown_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
-                             pad=f"{row['padding_fraction']:.2f}")
+        self.bar.set_postfix(**{k: f"{row[k]:.3f}" for k in self.bar_keys if k in row}, loss=f"{shown_loss:.4f}",
+                             lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}", pad=f"{row['padding_fraction']:.2f}")
         self.last_row = row
         self._reset()
 

@@ -6,8 +6,8 @@
         --train_file prompts.jsonl --reward_funcs my_rewards.py:exact_answer --num_generations 8
 
 Each optimizer step: sample G = --num_generations completions of each of its prompts (transformers' `generate`, each
-completion from its own noise: common/inputs/sampling.py), score them with the reward functions (TRL's signature:
-common/inputs/prompts.py), turn the rewards into advantages within each group of G (minus the group's mean, divided
+completion from its own noise: common/inputs/sampling.py), score them with the reward functions (called as TRL
+calls them: common/inputs/rewards.py), turn the rewards into advantages within each group of G (minus the mean, divided
 by the group's or the batch's std), then update the policy with TRL's clipped per-token loss; with
 --num_iterations μ the same completions serve μ optimizer steps, their sampling log-probabilities kept.
 
@@ -45,9 +45,9 @@ from common.inputs.data import check_data_files
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
 from common.inputs.policy import disable_dropout, frozen_copy, reference_forward, token_logps
-from common.inputs.prompts import (GroupSampler, RewardError, check_grpo_flags, load_prompt_data, reward_functions,
-                                   score)
-from common.inputs.rollouts import GroupMetrics, nan_group_stats, nan_std, training_batch
+from common.inputs.prompts import GroupSampler, check_grpo_flags, load_prompt_data, true_or_false
+from common.inputs.rewards import RewardError, reward_functions
+from common.inputs.rollouts import GroupMetrics, group_advantages, training_batch, weighted_sum
 from common.inputs.sampling import sample, warpers
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
@@ -80,21 +80,22 @@ LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0], conflict_handler="resolve")
     add_model_args(parser)
     add_data_args(parser)
+    parser.add_argument("--text_column", default="text", help=argparse.SUPPRESS)  # unused: prompts' --prompt_column
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
     add_compile_args(parser)  # feature: torch compile
     add_liger_args(parser)  # feature: liger kernel
     add_async_checkpoint_args(parser)  # feature: async checkpoint
-    add_finetuning_args(parser)
+    add_finetuning_args(parser, truncates=False)
     add_peft_args(parser)  # feature: lora
     parser.set_defaults(learning_rate=1e-6, weight_decay=0.0, adam_beta2=0.999, attn_implementation=None)
     g = parser.add_argument_group("reinforcement learning (GRPO)")
     g.add_argument("--prompt_column", default="prompt", help="Column holding the prompt (text or chat turns).")
-    g.add_argument("--reward_funcs", nargs="+", help="FILE.py:NAME or package.module:NAME, each f(prompts, "
-                   "completions, **columns) -> list[float | None] (None: the default task's two rewards).")
+    g.add_argument("--reward_funcs", nargs="+", help="FILE.py:NAME or package.module:NAME, each called as TRL calls "
+                   "it (common/inputs/rewards.py) -> list[float | None] (None: the default task's two rewards).")
     g.add_argument("--reward_weights", nargs="+", type=float, help="One weight per reward function (None: all 1).")
     g.add_argument("--num_generations", type=int, default=8, help="Completions sampled per prompt (G, a group).")
     g.add_argument("--max_completion_length", type=int, default=512, help="Most tokens a completion may have.")
@@ -110,8 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--epsilon", type=float, default=0.2, help="Clip the probability ratio below at 1 - epsilon.")
     g.add_argument("--epsilon_high", type=float, default=None, help="... and above at 1 + epsilon_high (= epsilon).")
     g.add_argument("--beta", type=float, default=0.0, help="Weight of the k3 KL to the frozen reference (0: none).")
+    g.add_argument("--use_bias_correction_kl", type=true_or_false, nargs="?", const=True, default=True,
+                   help="Multiply the k3 KL by the importance ratio (TRL's default; false: the plain k3 KL).")
     g.add_argument("--num_iterations", type=int, default=1, help="Optimizer steps per generated batch (μ).")
-    g.add_argument("--keep_dropout", action="store_true", help="Keep the model's dropout (off by default, as TRL).")
+    g.add_argument("--keep_dropout", action="store_true", help="Keep the model's dropout, as TRL does by default "
+                   "(disable_dropout=False). Off here unless given: a step then equals for any micro-batch cut.")
     args = parser.parse_args(argv)
     check_finetuning_flags(args)
     check_data_files(args.train_file, args.validation_file)
@@ -154,14 +158,16 @@ def main() -> None:
 
 def build_dataloaders(args, accelerator, data):
     """Batches of completion slots (prompt position, generation index) in GroupSampler's order: an optimizer step's
-    micro-batches on all processes hold whole groups. Evaluation: one slot per held-out prompt."""
+    micro-batches on all processes hold whole groups. Evaluation: one slot per held-out prompt, each process a share."""
     ga, processes = args.gradient_accumulation_steps, accelerator.num_processes
     prompts_per_step = args.per_device_train_batch_size * ga * processes // args.num_generations
     sampler = GroupSampler(len(data["train"]), args.num_generations, prompts_per_step, args.num_iterations, args.seed)
+    rounds = max(1, math.ceil(len(data["validation"]) / (processes * args.per_device_eval_batch_size)))
+    eval_batch = max(1, math.ceil(len(data["validation"]) / (processes * rounds)))  # even shares (uneven: a few padded)
     slots = lambda items: [divmod(int(i), args.num_generations) for i in items]  # noqa: E731
     train_dataloader = DataLoader(range(len(data["train"]) * args.num_generations), sampler=sampler,
                                   batch_size=args.per_device_train_batch_size, collate_fn=slots)
-    eval_dataloader = DataLoader(range(len(data["validation"])), batch_size=args.per_device_eval_batch_size,
+    eval_dataloader = DataLoader(range(len(data["validation"])), batch_size=eval_batch,
                                  collate_fn=lambda items: [(int(i), 0) for i in items])
     return train_dataloader, eval_dataloader
 
@@ -176,8 +182,8 @@ class Rollouts:
         self.args, self.accelerator, self.tokenizer, self.raw, self.data = args, accelerator, tokenizer, raw, data
         self.reference_logps, self.metrics, self.kept, self.round = reference_logps, metrics, [], None
         self.problem = None  # a reward function's misuse on this process, said once all processes know
-        self.funcs = args.reward_functions
-        self.weights = torch.tensor(args.reward_weights or [1.0] * len(self.funcs), dtype=torch.float64)
+        self.rewards = args.reward_functions  # common/inputs/rewards.py: called as TRL calls them
+        self.weights = torch.tensor(args.reward_weights or [1.0] * len(self.rewards.funcs), dtype=torch.float64)
         self.filters = warpers(args.temperature, args.top_k, args.top_p, args.min_p)
         self.synced = accelerator.distributed_type == DistributedType.FSDP or getattr(  # weights gathered per forward
             accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
@@ -199,18 +205,19 @@ class Rollouts:
         first = step - (step - 1) % self.args.num_iterations  # the round's first step keys its completions
         if self.round == first:
             return self.kept
-        began = time.perf_counter()
+        began, self.rewards.trainer_state.global_step = time.perf_counter(), first - 1  # steps done, as TRL's
         batches = [self.generate(model, slots, ("train", self.args.seed, first)) for slots in window]
         self.stop_on_reward_error()
         self.metrics.add_generation(batches, time.perf_counter() - began)
-        self.advantages(batches)
+        self.advantages(batches, first)
         for batch in batches:  # the sampling policy's log-probabilities: needed once the policy has moved
             if self.args.num_iterations > 1:
                 with torch.no_grad():
                     batch["old_logps"] = completion_logps(model, batch, self.args.temperature)
             if self.reference_logps is not None:
                 batch["ref_logps"] = self.reference_logps(batch)
-        self.round, self.kept = first, batches
+        if self.args.num_iterations > 1:  # μ = 1 keeps nothing: a checkpoint resumes on any process count
+            self.round, self.kept = first, batches
         return batches
 
     def generate(self, model, slots: list[tuple], key: tuple, split: str = "train") -> dict:
@@ -229,9 +236,9 @@ class Rollouts:
         if not isinstance(raw[0][self.args.prompt_column], str):
             texts = [[{"role": "assistant", "content": text}] for text in texts]
         try:
-            batch["rewards"] = score(self.funcs, raw, self.args.prompt_column, texts, ids).to(batch["labels"].device)
+            batch["rewards"] = self.rewards(raw, texts, ids, split).to(batch["labels"].device)
         except RewardError as e:
-            self.problem, batch["rewards"] = str(e), torch.full((len(ids), len(self.funcs)), math.nan)
+            self.problem, batch["rewards"] = str(e), torch.full((len(ids), len(self.rewards.funcs)), math.nan)
         return batch
 
     def stop_on_reward_error(self) -> None:
@@ -241,35 +248,21 @@ class Rollouts:
         if found:
             fail_on_every_rank(self.accelerator, found[0])
 
-    def advantages(self, batches: list[dict]) -> None:
+    def advantages(self, batches: list[dict], step: int) -> None:
         """The rewards of the step's completions on all processes (groups may span micro-batches and processes) ->
-        `group_advantages`; each batch gets its own rows'."""
+        `group_advantages`; each batch gets its own rows' (a step that no function scored: `check_scored`)."""
         local = torch.cat([b["rewards"] for b in batches])
         groups = torch.cat([b["prompt_index"] for b in batches])
         rewards_all = self.accelerator.gather(local)
         groups_all = self.accelerator.gather(groups)
         total = weighted_sum(rewards_all, self.weights)
+        self.metrics.check_scored(total, step)
         advantages, std = group_advantages(total, groups_all, self.args.scale_rewards)
         self.metrics.add_rewards(rewards_all, total, std, groups_all.unique(return_inverse=True)[1])
         start = self.accelerator.process_index * len(local)
         for b in batches:
             b["advantages"] = advantages[start:start + len(b["rewards"])].float()
             start += len(b["rewards"])
-
-
-def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per completion: the weighted sum of the functions that scored it (NaN where none did), as TRL sums them."""
-    total = (rewards.nan_to_num() * weights.to(rewards.device)).sum(1)
-    return total.masked_fill(rewards.isnan().all(1), math.nan)
-
-
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale_rewards: str
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, each completion's group std): reward minus its group's mean, divided by the group's std + 1e-4
-    (`group`), the batch's (`batch`) or 1 (`none`); NaN rewards are left out of the statistics, their advantage 0."""
-    mean, std = nan_group_stats(rewards, groups.unique(return_inverse=True)[1])
-    scale = {"group": std + 1e-4, "batch": nan_std(rewards) + 1e-4, "none": torch.ones_like(std)}[scale_rewards]
-    return ((rewards - mean) / scale).nan_to_num(0.0), std
 
 
 # ---- the loss: TRL's clipped per-token objective, k3 KL, four ways to average -------------------------------------
@@ -280,15 +273,18 @@ def completion_logps(model, batch: dict, temperature: float, with_entropy: bool 
 
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
-                 advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, beta: float):
+                 advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, beta: float,
+                 bias_correction_kl: bool = True):
     """Per token: -min(ratio A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) A) + beta KL, with ratio =
-    exp(log pi - log pi_old) and KL = exp(ref - log pi) - (ref - log pi) - 1 (k3); returns (losses, ratio, KL)."""
+    exp(log pi - log pi_old) and KL = exp(ref - log pi) - (ref - log pi) - 1 (k3), times the ratio with
+    `bias_correction_kl` (TRL's default: the gradient of the reverse KL, unbiased); returns (losses, ratio, KL)."""
     ratio = torch.exp(logps - old_logps)
     a = advantages.unsqueeze(1)
     losses = -torch.min(ratio * a, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * a)
     kl = None
     if beta > 0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        kl = kl * ratio if bias_correction_kl else kl
         losses = losses + beta * kl
     return losses, ratio, kl
 
@@ -321,7 +317,7 @@ def grpo_forward(model, batch: dict, args, num_items: torch.Tensor) -> ModelOutp
     logps, entropy = completion_logps(model, batch, args.temperature, with_entropy=True)
     old = batch["old_logps"] if "old_logps" in batch else logps.detach()  # μ = 1: the sampling policy is this one
     losses, ratio, kl = token_losses(logps, old, batch.get("ref_logps"), batch["advantages"], args.epsilon,
-                                     args.epsilon_high, args.beta)
+                                     args.epsilon_high, args.beta, args.use_bias_correction_kl)
     mask = batch["completion_mask"].float()
     a = batch["advantages"].unsqueeze(1)
     low, high = (ratio < 1 - args.epsilon) & (a < 0), (ratio > 1 + args.epsilon_high) & (a > 0)
@@ -333,10 +329,10 @@ def grpo_forward(model, batch: dict, args, num_items: torch.Tensor) -> ModelOutp
 
 
 @torch.no_grad()
-def evaluate_grpo(model, rollouts: Rollouts, dataloader, accelerator, args) -> dict[str, float]:
+def evaluate_grpo(model, rollouts: Rollouts, dataloader, accelerator, args, step: int) -> dict[str, float]:
     """Mean reward (in all and per function) of one sampled completion per held-out prompt, at the run's temperature,
     each from noise fixed by its prompt (the same at every evaluation), each prompt once (`gather_for_metrics`)."""
-    found = []
+    found, rollouts.rewards.trainer_state.global_step = [], step
     for slots in dataloader:
         batch = rollouts.generate(model, slots, ("eval", args.seed), split="validation")
         found.append(accelerator.gather_for_metrics(batch["rewards"]))
@@ -344,7 +340,8 @@ def evaluate_grpo(model, rollouts: Rollouts, dataloader, accelerator, args) -> d
     rewards = torch.cat(found)
     total = (rewards.nan_to_num() * rollouts.weights.to(rewards.device)).sum(1)
     known = ~rewards.isnan().all(1)
-    metrics = {"eval_reward": total[known].mean().item() if known.any() else math.nan, "eval_prompts": len(rewards)}
+    metrics = {"eval_reward": total[known].mean().item() if known.any() else math.nan, "eval_prompts": len(rewards),
+               **rollouts.rewards.logged_metrics(accelerator, "eval")}
     for name, column in zip(rollouts.metrics.names, rewards.T):
         metrics[f"eval_rewards/{name}/mean"] = column[~column.isnan()].mean().item()
     return metrics
@@ -384,6 +381,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes,
                                                          args.max_steps, args.num_train_epochs, unit="completions")
     record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
+    args.reward_functions.trainer_state.max_steps = total_steps  # what TRL's reward functions may read
 
     # ---- policy (with --use_peft: a frozen base and a LoRA adapter), reference, optimizer, schedule ----------------
     model = build_model(args, config, accelerator, len(tokenizer))
@@ -397,7 +395,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     accelerator.register_for_checkpointing(rollouts)  # a round of --num_iterations steps resumes on its completions
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("finetune_grpo", vars(args)))
-    log.row_extras = metrics.row
+    log.row_extras, log.bar_keys = metrics.row, ("reward",)  # the bar shows the reward: GRPO's loss is about 0
     log.carry(metrics.sums)  # a resumed run's first row counts the completions before the checkpoint
     logger.info(f"Model: {total_params / 1e6:.2f}M parameters, {trainable / 1e6:.2f}M trainable; {total_steps} steps")
 
@@ -436,7 +434,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         stop = checked.stop_requested
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
-                eval_metrics = evaluate_grpo(model, rollouts, eval_dataloader, accelerator, args)
+                eval_metrics = evaluate_grpo(model, rollouts, eval_dataloader, accelerator, args, step)
             log.write_eval(step, eval_metrics)
         if stop or saving:
             with log.untimed():
@@ -451,7 +449,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation (mean reward on held-out prompts) and export ----------------------------------------------
-    eval_metrics = evaluate_grpo(model, rollouts, eval_dataloader, accelerator, args)
+    eval_metrics = evaluate_grpo(model, rollouts, eval_dataloader, accelerator, args, progress.step)
     log.write_eval(progress.step, eval_metrics)
     export = exporter(args)
     if not export(accelerator, model, tokenizer, args.output_dir):

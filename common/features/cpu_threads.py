@@ -12,7 +12,7 @@ def use_all_cores() -> None:
     """Share the cores among the local processes of a CPU run (nothing with CUDA).
 
     `accelerate launch` without `--cpu` starts each process with OMP_NUM_THREADS=1, which halves the speed of a
-    one-process run on a 2-core machine. A value other than 1 is taken as the user's choice and kept.
+    one-process run on a 2-core machine. A value the user set (1 included) is kept.
     """
     if torch.cuda.is_available():
         return
@@ -22,6 +22,18 @@ def use_all_cores() -> None:
         # accelerate takes the count from the config file, never from the machine (a GPU config says 8)
         warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: pass --num_processes "
                       f"{cores} (or fewer) after --config_file to `accelerate launch`")
-    if os.environ.get("OMP_NUM_THREADS", "1") != "1":
+    if os.environ.get("OMP_NUM_THREADS", "1") != "1" or omp_threads_set_by_user():
         return
     torch.set_num_threads(max(1, cores // local_processes))
+
+
+def omp_threads_set_by_user() -> bool:
+    """Whether the user set OMP_NUM_THREADS. A launcher (accelerate launch, torchrun) sets it to 1 in the processes
+    it starts when the user did not, so there the launcher's own environment, as it was started, tells (Linux)."""
+    if "ACCELERATE_DYNAMO_BACKEND" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:  # no launcher
+        return "OMP_NUM_THREADS" in os.environ
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            return any(entry.startswith(b"OMP_NUM_THREADS=") for entry in f.read().split(b"\0"))
+    except OSError:  # elsewhere: a 1 reads as the launcher's
+        return False

@@ -123,11 +123,15 @@ def safetensors_problem(path: str) -> str | None:
     return None
 
 
-def add_finetuning_args(parser: argparse.ArgumentParser) -> None:
-    """The flags both fine-tuning scripts share: sequence length, length grouping, freezing."""
+def add_finetuning_args(parser: argparse.ArgumentParser, truncates: bool = True) -> None:
+    """The flags the fine-tuning scripts share: sequence length, length grouping, freezing. `truncates` False:
+    GRPO's --max_seq_length, the context a prompt and its completion share."""
     g = parser.add_argument_group("fine-tuning")
     g.add_argument("--max_seq_length", type=int, default=None,
-                   help="Truncate longer examples (None: the tokenizer's limit, capped by the script).")
+                   help="Truncate longer examples (None: the tokenizer's limit, capped by the script)." if truncates else
+                   "Context of a prompt and its completion: a prompt longer than this minus --max_completion_length "
+                   "stops the run, naming its row; the default task leaves it out (None: the tokenizer's limit, capped by the "
+                   "model's positions).")
     g.add_argument("--group_by_length", action="store_true",
                    help="Batches of similar lengths (less padding); evaluation sorted by length.")
     g.add_argument("--freeze_embeddings", action="store_true", help="Do not train the embedding layer.")

@@ -73,8 +73,8 @@ def reference_forward(accelerator, model, reference, logps: Callable[[torch.nn.M
 
 
 def disable_dropout(model) -> None:
-    """Dropout off, as TRL does by default: every nn.Dropout, and the rates attention layers read from their own
-    attributes (e.g. Llama's `attention_dropout`)."""
+    """Dropout off (TRL's DPO default; its GRPO keeps dropout unless `disable_dropout`): every nn.Dropout, and the
+    rates attention layers read from their own attributes (e.g. Llama's `attention_dropout`)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

@@ -1,23 +1,12 @@
-"""Prompts and rewards (scripts/finetune_grpo.py): reward functions named on the command line and checked before any
-work, the embedded default task's two rewards, prompt rows read, checked and tokenized, and the order in which
-completion slots (prompt, generation index) reach the batches.
-
-A reward function has TRL's signature, `f(prompts, completions, **columns) -> list[float | None]`: `prompts` as the
-rows hold them (text, or chat turns), `completions` as text (chat prompts: `[{"role": "assistant", "content": ...}]`),
-`completion_ids`, and every other column of the rows by name; None marks a completion the function cannot score.
+"""Prompts (scripts/finetune_grpo.py): the GRPO flags checked, prompt rows read, checked and tokenized, and the order
+in which completion slots (prompt, generation index) reach the batches. Reward functions: common/inputs/rewards.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
-import importlib.util
-import inspect
 import math
 import os
-import sys
-from collections.abc import Callable
 
 import torch
 from accelerate.logging import get_logger
@@ -26,100 +15,16 @@ from common.errors import fail
 from common.inputs.data import get_tokenizer, load_raw_datasets
 from common.inputs.responses import (apply_template, build_docstring_task, chat_problem, naming_the_failing_row,
                                      rows_of, with_parts_joined)
+from common.inputs.rewards import check_reward_columns
 
 logger = get_logger(__name__)
 
 
-# ---- the default task's rewards: programs anyone can read ----------------------------------------------------------
-def compiles(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """1 when the prompt (a signature and docstring) followed by the completion compiles as Python (nothing runs)."""
-    scores = []
-    for prompt, completion in zip(prompts, completions):
-        try:
-            compile(prompt + completion, "<completion>", "exec")
-            scores.append(1.0)
-        except (SyntaxError, ValueError):
-            scores.append(0.0)
-    return scores
-
-
-def stays_in_function(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """1 when the completion is a function body: it has a line of code, and every line that is not blank is indented
-    (nothing after the function: no second definition, no text at the module's level)."""
-    scores = []
-    for completion in completions:
-        lines = [line for line in completion.splitlines() if line.strip()]
-        scores.append(float(bool(lines) and all(line[0] in " \t" for line in lines)))
-    return scores
-
-
-DEFAULT_REWARDS = (compiles, stays_in_function)
-
-
-def load_reward_funcs(specs: list[str]) -> list[Callable]:
-    """`FILE.py:NAME` or `package.module:NAME` -> the functions, each checked to be a callable that takes prompts and
-    completions; one line naming the spec otherwise (before any model or data work)."""
-    funcs = []
-    for spec in specs:
-        where, _, name = spec.rpartition(":")
-        if not where or not name:
-            fail(f"--reward_funcs {spec}: give FILE.py:NAME or package.module:NAME")
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                fail(f"--reward_funcs {spec}: no such file {where}")
-            module_name = f"reward_{hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:8]}"
-            loaded = importlib.util.spec_from_file_location(module_name, where)
-            module = importlib.util.module_from_spec(loaded)
-            sys.modules[module_name] = module  # dataclasses and pickling look a module up there
-            load = lambda: loaded.loader.exec_module(module)  # noqa: E731
-        else:
-            module = None
-            load = lambda: importlib.import_module(where)  # noqa: E731
-        try:
-            module = load() or module
-        except Exception as e:  # the user's code: say which file and why, in one line
-            fail(f"--reward_funcs {spec}: importing {where} failed ({type(e).__name__}: {e})")
-        func = getattr(module, name, None)
-        if not callable(func):
-            fail(f"--reward_funcs {spec}: {where} has no function {name!r}")
-        try:
-            inspect.signature(func).bind([], [])
-        except TypeError:
-            fail(f"--reward_funcs {spec}: {name} must take (prompts, completions, **columns), as TRL's reward "
-                 "functions do")
-        funcs.append(func)
-    return funcs
-
-
-def score(funcs: list[Callable], rows: list[dict], prompt_column: str, completions: list, completion_ids: list
-          ) -> torch.Tensor:
-    """(completions x functions) rewards, NaN where a function returned None; one line naming the function and the
-    row when one raises, returns a list of the wrong length or a value that is not a number."""
-    prompts = [row[prompt_column] for row in rows]
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key not in (prompt_column, "__index__")}
-    scores = torch.full((len(rows), len(funcs)), math.nan, dtype=torch.float64)
-    for j, func in enumerate(funcs):
-        name = getattr(func, "__name__", repr(func))
-        try:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:
-            raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (on rows "
-                              f"{', '.join(str(row['__index__'] + 1) for row in rows)} of the prompts)") from e
-        if not isinstance(values, (list, tuple)) or len(values) != len(rows):
-            count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise RewardError(f"reward function {name} returned {count} values for {len(rows)} completions")
-        for i, value in enumerate(values):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RewardError(f"reward function {name} returned {value!r} for row {rows[i]['__index__'] + 1} of "
-                                  "the prompts: give a finite number, or None for a completion it cannot score")
-            scores[i, j] = float(value)
-    return scores
-
-
-class RewardError(Exception):
-    """A reward function's misuse, said in one line by the recipe on every process."""
+def true_or_false(text: str) -> bool:
+    """A boolean flag's value as HfArgumentParser reads it (true/false, yes/no, 1/0)."""
+    if text.lower() not in ("true", "false", "yes", "no", "1", "0"):
+        raise argparse.ArgumentTypeError(f"give true or false (got {text!r})")
+    return text.lower() in ("true", "yes", "1")
 
 
 def check_grpo_flags(args: argparse.Namespace) -> None:
@@ -143,21 +48,11 @@ def check_grpo_flags(args: argparse.Namespace) -> None:
         (args.max_completion_length < 1 or args.num_iterations < 1,
          "--max_completion_length and --num_iterations must be at least 1"),
         (args.group_by_length, "--group_by_length does not apply: a step's batches are groups of completions"),
+        (args.text_column != "text", "--text_column does not apply: the prompts are read from --prompt_column"),
     ]
     for bad, message in problems:
         if bad:
             fail(message)
-
-
-def reward_functions(args: argparse.Namespace) -> list[Callable]:
-    """--reward_funcs loaded and checked (the default task's two rewards without data flags), --reward_weights
-    counted against them: one line otherwise, before any model or data work."""
-    if not args.reward_funcs and (args.train_file or args.dataset_name):
-        fail("no reward function: pass --reward_funcs FILE.py:NAME ... (the built-in rewards score the default task)")
-    funcs = load_reward_funcs(args.reward_funcs) if args.reward_funcs else list(DEFAULT_REWARDS)
-    if args.reward_weights and len(args.reward_weights) != len(funcs):
-        fail(f"--reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward functions")
-    return funcs
 
 
 # ---- prompt rows ---------------------------------------------------------------------------------------------------
@@ -173,6 +68,9 @@ def load_prompt_data(args: argparse.Namespace, accelerator, config, resume_from:
                             check_rows=lambda raw: find_unusable_prompt(raw, args.prompt_column, args))
     if default:  # a prompt ending in a lone newline token is one the SFT model never saw: it would stop at once
         raw = raw.map(lambda row: {"prompt": row["prompt"].rstrip("\n")}, desc="Prompts without their last newline")
+    for split in raw:  # a function requiring a column the rows lack: TRL's TypeError at the first step, here now
+        check_reward_columns(args.reward_functions.funcs, [c for c in raw[split].column_names
+                                                           if c != args.prompt_column], f"the {split} split")
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     if not isinstance(raw["train"][0][args.prompt_column], str) and not tokenizer.chat_template:
         fail(f"the data has chat turns ('{args.prompt_column}') but the tokenizer has no chat template: use "

@@ -1,11 +1,16 @@
-"""GRPO's group statistics (nan-aware: an unscorable completion is left out of its group's mean and std) and its
-metrics rows (TRL's names), for scripts/finetune_grpo.py."""
+"""GRPO's rewards summed, its advantages and group statistics (nan-aware: an unscorable completion is left out of its
+group's mean and std) and its metrics rows (TRL's names), for scripts/finetune_grpo.py."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from accelerate.logging import get_logger
+
+from common.errors import fail_on_every_rank
+
+logger = get_logger(__name__)
 
 TOKEN_FIGURES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
 
@@ -24,6 +29,21 @@ def training_batch(out: dict, prompt_index: list[int], mask_truncated: bool) -> 
             "position_ids": (mask.cumsum(1) - 1).clamp(min=0), "labels": labels,
             "prompt_length": out["prompt_ids"].shape[1], "completion_mask": completion_mask,
             "truncated": out["truncated"], "prompt_index": torch.tensor(prompt_index, device=mask.device)}
+
+
+def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per completion: the weighted sum of the functions that scored it (NaN where none did), as TRL sums them."""
+    total = (rewards.nan_to_num() * weights.to(rewards.device)).sum(1)
+    return total.masked_fill(rewards.isnan().all(1), math.nan)
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale_rewards: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, each completion's group std): reward minus its group's mean, divided by the group's std + 1e-4
+    (`group`), the batch's (`batch`) or 1 (`none`); NaN rewards are left out of the statistics, their advantage 0."""
+    mean, std = nan_group_stats(rewards, groups.unique(return_inverse=True)[1])
+    scale = {"group": std + 1e-4, "batch": nan_std(rewards) + 1e-4, "none": torch.ones_like(std)}[scale_rewards]
+    return ((rewards - mean) / scale).nan_to_num(0.0), std
 
 
 def nan_group_stats(values: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,15 +66,29 @@ def nan_std(values: torch.Tensor) -> torch.Tensor:
 class GroupMetrics:
     """The metrics (TRL's names) since the last logged row, summed on the device: token figures from the loss on
     every process; rewards, lengths and generation time from the rollouts (rewards gathered: the main process
-    alone adds them). `row()` is the step log's `row_extras` (collective)."""
+    alone adds them); what the reward functions logged (`log_metric`). `row()` is the step log's `row_extras`
+    (collective)."""
 
-    def __init__(self, accelerator, funcs: list, beta: float) -> None:
-        self.accelerator, self.beta = accelerator, beta
-        self.names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(funcs)]
+    def __init__(self, accelerator, rewards, beta: float) -> None:
+        self.accelerator, self.beta, self.rewards = accelerator, beta, rewards
+        self.names, self.rewarded, self.warned = rewards.names, False, False
         # tokens + TOKEN_FIGURES; completions, lengths, truncated, seconds; scored, reward sum, groups, group std
         # sum, zero-std groups; per function: scored, sum, sum of squares
         self.sums = torch.zeros(6 + 4 + 5 + 3 * len(self.names), dtype=torch.float64, device=accelerator.device)
         self.extremes = torch.tensor([math.inf, -math.inf], device=accelerator.device)  # lengths (not carried)
+
+    def check_scored(self, total: torch.Tensor, step: int) -> None:
+        """A step whose completions no function scored: the run stops in one line when no step of this run had a
+        reward yet; after one had, a warning, once (its reward is logged as NaN, as TRL's, and it trains nothing)."""
+        if not total.isnan().all():
+            self.rewarded = True
+        elif not self.rewarded:
+            fail_on_every_rank(self.accelerator, f"no reward in step {step}, the first of this run: every reward "
+                               "function returned None for every completion")
+        elif not self.warned:
+            self.warned = True
+            logger.warning(f"step {step}: every reward function returned None for every completion; its reward is "
+                           "logged as NaN and it trains nothing (advantages 0). Warned once.")
 
     def add(self, outputs) -> None:
         self.sums[:6] += outputs.figures
@@ -88,12 +122,13 @@ class GroupMetrics:
         self.extremes = torch.tensor([math.inf, -math.inf], device=self.accelerator.device)
         row = {name: value / max(tokens, 1) for name, value in zip(TOKEN_FIGURES, (low, high, region, kl, entropy))
                if name != "kl" or self.beta}
+        row.update(self.rewards.logged_metrics(self.accelerator))
         if not completions:  # steps 2..μ of a round generate nothing (TRL logs no rollout figures for them)
             return row
-        row.update({"reward": reward / max(scored, 1), "reward_std": group_std / max(groups, 1),
+        row.update({"reward": reward / scored if scored else math.nan, "reward_std": group_std / max(groups, 1),
                     "frac_reward_zero_std": zero_std / max(groups, 1)})
         for name, (n, total, squares) in zip(self.names, zip(*[iter(per_function)] * 3)):
-            mean = total / max(n, 1)
+            mean = total / n if n else math.nan
             row[f"rewards/{name}/mean"] = mean
             row[f"rewards/{name}/std"] = math.sqrt(max(squares - n * mean ** 2, 0) / (n - 1)) if n > 1 else 0.0
         seconds /= self.accelerator.num_processes  # each process's own generation time, summed
