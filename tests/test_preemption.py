@@ -120,7 +120,8 @@ def trainer_pids(out) -> list[int]:
     """The training processes of the run writing to `out` (not the launcher: its command line says `launch` or
     `tools/launch.py`)."""
     return [pid for pid, argv in command_lines_naming(out).items()
-            if not {"launch", "launch.py"} & {os.path.basename(a) for a in argv} and any(a.endswith(".py") for a in argv)]
+            if not {"launch", "launch.py"} & {os.path.basename(a) for a in argv}
+            and any(a.endswith(".py") for a in argv)]
 
 
 def alive(pid: int) -> bool:
