@@ -281,7 +281,8 @@ FAST = {
     "test_memory_estimate.py": {"test_the_answer_adds_up_reads_only_the_config_and_says_if_it_fits",
                                 "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line",
                                 "test_tensor_parallel_states_are_16_bytes_a_held_parameter_and_wide_activations_split",
-                                "test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora"},
+                                "test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora",
+                                "test_every_figure_the_estimator_prints_agrees_with_the_others"},
     "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
                                 "test_the_upstream_lines_that_force_the_torch_path_still_hold"},
 }

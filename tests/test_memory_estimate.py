@@ -240,3 +240,45 @@ def test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora(tiny
         estimate_memory.main(["--", *launch, *recipe, "--use_peft"])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not supported with tensor parallelism" in err, err
+
+
+def gb_pair(cell: str) -> list[float]:
+    """'19.8 / 17.6 GB' -> [19.8, 17.6]; '17.6 GB' -> [17.6, 17.6]."""
+    figures = [float(part.strip().removesuffix("GB")) for part in cell.split("(")[0].split("/")]
+    return figures * 2 if len(figures) == 1 else figures
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_every_figure_the_estimator_prints_agrees_with_the_others(chunked):
+    """The 1b preset printed model states of 19.8 GB and then totals of 18.2 / 17.8 GB, and activations of 3.9 GB in
+    one table and 5.2 GB (115.7 kB per token per layer) in the next, for one micro-batch. Every output mode (the
+    configs' table, --activation_modes, --use_peft, --dpo, one command) now states the same figures, to their
+    rounding: each row's states + activations = its total, one GPU's row = the modes', LoRA table's and command's."""
+    flags = ["--model_preset", "1b"] + ["--chunked_cross_entropy"] * chunked
+    text = "\n".join(estimate_memory.report(estimate_memory.parse_args(flags + more))
+                     for more in (["--activation_modes", "--dpo"], ["--use_peft"]))  # (with --use_peft: QLoRA's modes)
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("config", "mode", "method") and "GB" in line:
+            rows.setdefault(cells[0], cells)
+    for name, cells in rows.items():  # the configs' table: states, activations, totals (plain / checkpointed)
+        if name.endswith(".yaml") or ".yaml +" in name:
+            states, acts, totals = gb_pair(cells[3]), gb_pair(cells[4]), gb_pair(cells[5])
+            assert all(abs(s + a - t) <= 0.11 for s, a, t in zip(states, acts, totals)), cells
+    single = rows["single_gpu.yaml"]
+    states, acts, totals = gb_pair(single[3]), gb_pair(single[4]), gb_pair(single[5])
+    header = next(line for line in text.splitlines() if line.startswith("Activation memory by mode"))
+    assert f"model states {states[0]:.1f} GB on one GPU without checkpointing, {states[1]:.1f} GB with it" in header
+    assert gb_pair(rows["none"][3])[0] == totals[0] and gb_pair(rows["full"][3])[0] == totals[1]
+    shape = estimate_memory.model_shape(estimate_memory.parse_args(flags))
+    per_token_layer = float(rows["none"][2].removesuffix(" kB")) * 1e3
+    assert per_token_layer * 2048 * shape.layers / 1e9 == pytest.approx(acts[0], abs=0.06)  # the layer's moment
+    full = rows["full fine-tuning"]  # the --use_peft table's, to two decimals
+    assert [round(x, 1) for x in gb_pair(full[2]) + gb_pair(full[3]) + gb_pair(full[4])] == states + acts + totals
+    for name in ("full, live reference", "full, precomputed reference"):  # --dpo: the same states
+        assert gb_pair(rows[name][2]) == states
+    command = ["scripts/pretrain_llama.py", "--model_preset", "1b", "--tokenizer_vocab_size", "32000", "--block_size",
+               "2048", "--per_device_train_batch_size", "1", "--bf16"] + ["--chunked_cross_entropy"] * chunked
+    for extra, total in (([], totals[0]), (["--gradient_checkpointing"], totals[1])):
+        assert round(estimate_memory.command_answer(command + extra, 80)["peak_bytes"] / 1e9, 1) == total

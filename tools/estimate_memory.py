@@ -25,12 +25,15 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
 - Offload: ZeRO-2 moves fp32 master weights, m, v and the fp32 gradients to host RAM (16 per parameter, over the
   nodes), the GPU keeps bf16 weights (2) and its gradient partition (2/N). ZeRO-3 with parameter offload keeps only
   the unit being computed on the GPU; host RAM holds 18 per parameter (+ bf16 weights).
-- Activations per GPU (Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s, hidden h, L layers,
-  a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
-  L·s·b·h·34. Tensor parallelism over t GPUs (no sequence parallelism) splits the tensors as wide as the heads or
-  the MLP and leaves those of the hidden width (layer input, norm outputs, residual adds, o/down outputs) whole on
-  every GPU: L·s·b·h·(10 + 24/t + 5·a·s/(h·t)) (Korthikanti's Table 2). With --gradient_checkpointing only each
-  layer's bf16 input stays (2·s·b·h·L) plus one layer's activations while it is recomputed. Logits add s·b·V·12
+- Activations per GPU in every table (`peak_activations`): what a full fine-tuning's peak (`peak_memory`, below) adds
+  to its model states, so the configs' table, --activation_modes, --use_peft, --dpo (2b rows) and one command state
+  the same figures; plain PyTorch's autocast copies (2 bytes per parameter) count only without checkpointing.
+- `activation_bytes` (the GPU suite's rows; Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s,
+  hidden h, L layers, a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores
+  the s×s scores: L·s·b·h·34. Tensor parallelism over t GPUs (no sequence parallelism) splits the tensors as wide as
+  the heads or the MLP and leaves those of the hidden width (layer input, norm outputs, residual adds, o/down outputs)
+  whole on every GPU: L·s·b·h·(10 + 24/t + 5·a·s/(h·t)) (Korthikanti's Table 2). With --gradient_checkpointing only
+  each layer's bf16 input stays (2·s·b·h·L) plus one layer's activations while it is recomputed. Logits add s·b·V·12
   at the loss's backward (the fp32 log-softmax, its gradient and the input's gradient; measured on a CPU); with
   --chunked_cross_entropy only one chunk of 1,024 tokens exists at a time (`logits_bytes`).
 - One run on one GPU (one command after --, the --use_peft and --activation_modes tables, the GPU suite's memory
@@ -275,11 +278,32 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
     return {**result, "total": sum(result.values())}
 
 
+AUTOCAST_CASTS = 2  # bytes per parameter: autocast's bf16 weight copies, kept for the backward without checkpointing
+PLAIN_PYTORCH = ("single_gpu.yaml", "multi_gpu.yaml", "multi_node.yaml")  # autocast: the rows whose states count them
+
+
+def peak_activations(shape: ModelShape, args: argparse.Namespace, mode: str, sdpa: bool = True, tp: int = 1) -> float:
+    """What one micro-batch adds to a full fine-tuning's model states at its peak (`peak_memory`, the figures of
+    --activation_modes and of one command): the activations kept and recomputed, the logits or a layer's gradients,
+    whichever moment is larger; model states = fp32 weights, gradients, AdamW m and v, and without checkpointing
+    autocast's bf16 weights. Eager attention adds its s x s scores (5·a·s bytes per token, every layer or the one
+    recomputed)."""
+    run = Run("full fine-tuning", args.seq_len, args.micro_batch_size, mode, chunked=args.chunked_cross_entropy, tp=tp)
+    peak = peak_memory(shape, run)
+    states = peak["weights"] + peak["optimizer states"] + 4 * shape.params + peak.get("casts", 0)
+    tokens, layers = args.seq_len * args.micro_batch_size, shape.layers if mode == "none" else 1
+    scores = 0 if sdpa else tokens * 5 * shape.heads * args.seq_len / tp * layers
+    return peak["total"] - states + scores
+
+
 def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states: float, what: str) -> list[str]:
     """Per mode: what a token keeps per layer, the activations at --seq_len, and the longest sequence that fits."""
     b, limit = args.micro_batch_size, HEADROOM * args.gpu_memory_gb * GB
     host_limit = HEADROOM * args.host_memory_gb * GB if args.host_memory_gb else math.inf
-    lines = ["", f"Activation memory by mode ({what}, model states {states / GB:.1f} GB on one GPU, micro-batch {b}, "
+    held = (f"{states / GB:.1f} GB on one GPU without checkpointing, "
+            f"{(states - AUTOCAST_CASTS * shape.params) / GB:.1f} GB with it" if what == "full fine-tuning"
+            else f"{states / GB:.1f} GB on one GPU")
+    lines = ["", f"Activation memory by mode ({what}, model states {held}, micro-batch {b}, "
              "SDPA, one chunk of the logits with --chunked_cross_entropy):", "",
              "| mode | flags | bytes per token per layer | GPU total at --seq_len | longest sequence that fits |",
              "|---|---|---|---|---|"]
@@ -411,8 +435,8 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
 def dpo_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     """The --dpo table: policy + reference per GPU holding both whole (one GPU, DDP), 2 x micro-batch rows."""
     rows = 2 * args.micro_batch_size
-    acts = [activation_bytes(shape, args.seq_len, rows, ckpt, args.attn_implementation != "eager",
-                             args.chunked_cross_entropy) for ckpt in (False, True)]
+    pairs = argparse.Namespace(**{**vars(args), "micro_batch_size": rows})  # the main table's figures at 2b rows
+    acts = [peak_activations(shape, pairs, mode, args.attn_implementation != "eager") for mode in ("none", "full")]
     reference_logits = args.seq_len * args.micro_batch_size * 2 * shape.vocab * 6  # bf16 logits + their fp32 copy
     methods = adapter_options(shape, args.lora_r, args.use_bnb_nested_quant)
     table = [("full, live reference", "", methods[0][3], 4 * shape.params + reference_logits),
@@ -421,13 +445,15 @@ def dpo_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
              ("QLoRA (reference: adapter disabled)", f"`{methods[2][1]}`", methods[2][2] + methods[2][3], 0)]
     lines = ["", f"DPO, {args.micro_batch_size} pairs per micro-batch ({rows} rows), per GPU holding the policy and "
              "the reference whole (one GPU, DDP):", "",
-             "| method | flags | policy states | reference | activations (plain / checkpointed) "
+             "| method | flags | policy states (plain / checkpointed) | reference | activations (plain / checkpointed) "
              "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
     for method, flags, policy, reference in table:
-        totals = [policy + reference + a for a in acts]
+        casts = AUTOCAST_CASTS * shape.params if method.startswith("full") else 0  # kept without checkpointing only
+        totals = [policy + reference + acts[0], policy - casts + reference + acts[1]]
         verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
             totals[1], args.gpu_memory_gb * GB) else "no"
-        lines.append(f"| {method} | {flags} | {policy / GB:.1f} GB | {reference / GB:.1f} GB | {acts[0] / GB:.1f} / "
+        held = f"{policy / GB:.1f} / {(policy - casts) / GB:.1f} GB" if casts else f"{policy / GB:.1f} GB"
+        lines.append(f"| {method} | {flags} | {held} | {reference / GB:.1f} GB | {acts[0] / GB:.1f} / "
                      f"{acts[1] / GB:.1f} GB | {totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB | {verdict} |")
     return lines
 
@@ -442,9 +468,8 @@ def report(args: argparse.Namespace) -> str:
     gpu_limit, host_limit = args.gpu_memory_gb * GB, (args.host_memory_gb or math.inf) * GB
     sdpa = args.attn_implementation != "eager"
     def activations(tp: int) -> list[float] | None:  # plain / checkpointed; tensor parallelism splits some
-        return None if shape.hidden is None else [activation_bytes(
-            shape, args.seq_len, args.micro_batch_size, ckpt, sdpa, args.chunked_cross_entropy, tp)
-            for ckpt in (False, True)]
+        return None if shape.hidden is None else [peak_activations(shape, args, mode, sdpa, tp)
+                                                  for mode in ("none", "full")]
 
     acts = activations(1)
     source = f"--params {args.params:.3g}" if args.params else (args.config_name or f"preset {args.model_preset}")
@@ -463,13 +488,17 @@ def report(args: argparse.Namespace) -> str:
                   f"{min(tokens, CHUNK_TOKENS):,} tokens" + (f", plus {(chunked - chunk) / GB:.2f} GB of buffers of "
                                                              "the trained head's weight" if chunked > chunk else "")
                   + f"; the table counts {'one chunk' if args.chunked_cross_entropy else 'them in full'}.", ""]
-    lines += ["| config | what | model states, bytes/param per GPU | model states per GPU | activations per GPU "
-              "(plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node | fits |",
+    lines += ["| config | what | model states, bytes/param per GPU (plain / checkpointed) | model states per GPU | "
+              "activations per GPU (plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node "
+              "| fits |",
               "|---|---|---|---|---|---|---|---|"]
     candidates = []  # (rank, option, needs checkpointing): offload is slower than recomputing activations
     for index, opt in enumerate(options(shape, args.num_gpus, gpus_per_node)):
         row_acts = activations(opt.tp)
-        totals = [opt.states + a for a in row_acts] if row_acts else [opt.states, None]
+        # plain PyTorch's 18 bytes count autocast's bf16 weights, which only a run without checkpointing keeps
+        casts = AUTOCAST_CASTS * shape.params if opt.config in PLAIN_PYTORCH else 0
+        states = [opt.states, opt.states - casts]
+        totals = [st + a for st, a in zip(states, row_acts)] if row_acts else [opt.states, None]
         host_ok = opt.host <= HEADROOM * host_limit
         verdict = ("yes" if fits(totals[0], gpu_limit) else
                    "with `--gradient_checkpointing`" if fits(totals[1], gpu_limit) else "no")
@@ -481,7 +510,11 @@ def report(args: argparse.Namespace) -> str:
         total = (f"{totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB" if row_acts
                  else f"{totals[0] / GB:.1f} GB + activations")
         name = opt.config + (f" + `{opt.flags}`" if opt.flags else "")
-        lines.append(f"| {name} | {opt.what} | {opt.bytes_per_param:.3g} | {opt.states / GB:.1f} GB | {act} | "
+        per_param, held = f"{opt.bytes_per_param:.3g}", f"{opt.states / GB:.1f} GB"
+        if casts and row_acts:
+            per_param += f" / {opt.bytes_per_param - AUTOCAST_CASTS:.3g}"
+            held = f"{states[0] / GB:.1f} / {states[1] / GB:.1f} GB"
+        lines.append(f"| {name} | {opt.what} | {per_param} | {held} | {act} | "
                      f"{total} | {opt.host / GB:.1f} GB | {verdict} |")
     lines.append("")
     if not candidates:
