@@ -282,7 +282,8 @@ FAST = {
                                 "test_each_flag_moves_its_part", "test_a_command_the_estimate_cannot_serve_is_one_line",
                                 "test_tensor_parallel_states_are_16_bytes_a_held_parameter_and_wide_activations_split",
                                 "test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora",
-                                "test_every_figure_the_estimator_prints_agrees_with_the_others"},
+                                "test_every_figure_the_estimator_prints_agrees_with_the_others",
+                                "test_a_hub_id_the_machine_cannot_reach_is_one_line_at_once"},
     "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
                                 "test_the_upstream_lines_that_force_the_torch_path_still_hold"},
 }

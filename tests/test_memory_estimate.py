@@ -282,3 +282,26 @@ def test_every_figure_the_estimator_prints_agrees_with_the_others(chunked):
                "2048", "--per_device_train_batch_size", "1", "--bf16"] + ["--chunked_cross_entropy"] * chunked
     for extra, total in (([], totals[0]), (["--gradient_checkpointing"], totals[1])):
         assert round(estimate_memory.command_answer(command + extra, 80)["peak_bytes"] / 1e9, 1) == total
+
+
+def test_a_hub_id_the_machine_cannot_reach_is_one_line_at_once(monkeypatch, capsys):
+    """Offline, `-- ... --model_name_or_path <hub id>` retried the hub for ~25 s and then named --config_name, a flag
+    the user had not given. Now: offline (HF_HUB_OFFLINE) or with the hub unreachable (here a closed local port), one
+    line at once naming the flag given."""
+    import time
+
+    from huggingface_hub import constants
+
+    command = ["scripts/finetune_causal_lm.py", "--model_name_or_path", "no-such-org/no-such-model", "--bf16",
+               "--max_seq_length", "2048"]
+    cases = ((True, constants.ENDPOINT, "and not in the hub cache (HF_HUB_OFFLINE is set): give a folder"),
+             (False, "http://127.0.0.1:9", "not in the hub cache, and http://127.0.0.1:9 cannot be reached ("))
+    for offline, endpoint, why in cases:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as stop:
+            estimate_memory.command_answer(command, 80)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and time.monotonic() - started < 5, err
+        assert err.startswith("error: --model_name_or_path no-such-org/no-such-model: no such folder") and why in err

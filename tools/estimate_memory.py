@@ -74,7 +74,9 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
+import urllib.parse
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
@@ -116,6 +118,31 @@ class Option:
     tp: int = 1  # tensor-parallel size: activations split
 
 
+def hub_or_local_config(name: str, flag: str):
+    """The config of a local folder, of the hub cache, or of the hub; a hub the machine cannot reach is one line at
+    once (huggingface_hub retried for ~25 s), naming the flag the user gave."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from common.inputs import from_pretrained_or_fail
+
+    if not os.path.isdir(name):
+        try:
+            return AutoConfig.from_pretrained(name, local_files_only=True)  # cached: no hub needed
+        except (OSError, ValueError):
+            pass
+        if constants.HF_HUB_OFFLINE:
+            fail(f"{flag} {name}: no such folder, and not in the hub cache (HF_HUB_OFFLINE is set): give a folder "
+                 "holding its config.json")
+        host = urllib.parse.urlparse(constants.ENDPOINT)
+        try:
+            socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
+        except OSError as error:
+            fail(f"{flag} {name}: no such folder, not in the hub cache, and {constants.ENDPOINT} cannot be reached "
+                 f"({error.strerror or error}): give a folder holding its config.json")
+    return from_pretrained_or_fail(AutoConfig.from_pretrained, name, flag)
+
+
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """Parameter count and shape: from --params, or from a config instantiated on the meta device (no memory)."""
     if args.params:
@@ -125,8 +152,11 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
     from common.inputs.modeling import load_config
 
-    config = load_config(argparse.Namespace(model_name_or_path=None, config_name=args.config_name,
-                                            model_preset=args.model_preset))
+    if args.config_name:
+        config = hub_or_local_config(args.config_name, getattr(args, "config_flag", "--config_name"))
+    else:
+        config = load_config(argparse.Namespace(model_name_or_path=None, config_name=None,
+                                                model_preset=args.model_preset))
     if args.vocab_size:
         config.vocab_size = args.vocab_size
     with torch.device("meta"):
@@ -612,7 +642,8 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
     if source is None and recipe != "pretrain_llama.py":
         fail(f"{recipe}: give --model_name_or_path (a folder holding only config.json is enough)")
     shape = model_shape(argparse.Namespace(params=None, config_name=source, model_preset=args.model_preset or (
-        None if source else "tiny"), vocab_size=None if source else args.tokenizer_vocab_size))
+        None if source else "tiny"), vocab_size=None if source else args.tokenizer_vocab_size,
+        config_flag="--model_name_or_path" if args.model_name_or_path else "--config_name"))
     method = "full fine-tuning" if not args.use_peft else "QLoRA" if args.load_in_4bit else "LoRA"
     option = args.selective_ac_option
     mode = ("offload" if args.activation_offloading else "op" if option == "op" else "every" if option
