@@ -696,7 +696,7 @@ def command_answer(command: list[str], gpu_memory_gb: float, device: str = "cuda
             "fits": fits(total, gpu_memory_gb * GB), "recipe": about["recipe"], "model": about["model"],
             "parameters": shape.params, "method": run.method, "tokens_per_micro_batch": run.seq * run.batch,
             "activation_memory": run.mode, "chunked_loss": run.chunked,
-            "processes": about["launch"]["num_processes"]}
+            "processes": about["launch"]["num_processes"], "device": device}
 
 
 def command_report(answer: dict) -> str:
@@ -706,7 +706,8 @@ def command_report(answer: dict) -> str:
     lines = [f"{answer['recipe']}, {answer['model']} ({answer['parameters'] / 1e9:.3g}B parameters), "
              f"{answer['method']}, {answer['tokens_per_micro_batch']:,} tokens per micro-batch, activation memory "
              f"{answer['activation_memory']}, {'chunked' if answer['chunked_loss'] else 'full'} logits, "
-             f"{answer['processes']} process(es)",
+             f"{answer['processes']} process(es), on {'a GPU' if answer['device'] == 'cuda' else 'a CPU'} "
+             f"({'--device cpu for a CPU run: its kernels keep more' if answer['device'] == 'cuda' else '--device cpu'})",
              f"Peak per GPU: {answer['peak_bytes'] / gib:.2f} GiB ({answer['peak_bytes'] / GB:.2f} GB), at "
              f"{answer['at']}; made of:"]
     width = max(len(k) for k in answer["parts"])
