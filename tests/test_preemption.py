@@ -259,8 +259,8 @@ def test_stop_signal_checkpoints_and_resumes_exactly(case, corpus, cache, uninte
     status, seconds, output, logged, left_running = stop_run(cmd, str(out), sig, to_group, processes)
     step = assert_stopped_once(out, output, logged)
     assert status == launcher_status, output[-3000:]
-    # accelerate's one-process launcher dies at once and leaves its trainer saving; the others wait for theirs
-    assert bool(left_running) == (case == "1proc-launcher-SIGTERM"), (case, left_running)
+    # a launcher that returns a status waited for its trainers; accelerate's one-process one, killed, left it saving
+    assert not left_running if launcher_status >= 0 else case != "1proc-launcher-SIGTERM" or left_running, case
     assert exit_status(out) == {"exit_status": STOPPED_STATUS, "state": "stopped", "reason": STOPPED_REASON}
     assert seconds < GONE_WITHIN_S
     reference = uninterrupted(processes)
