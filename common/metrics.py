@@ -132,8 +132,8 @@ class StepLog:
         self.throughput = Throughput()
         self.untimed = self.throughput.untimed
         self.peak_flops = peak_flops_per_device() if flops_per_token else None
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train",
-                        disable=not accelerator.is_local_main_process)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", delay=1e-6,  # drawn from the first step:
+                        disable=not accelerator.is_local_main_process)  # a frame now shares the "Model:" line
         self.last_row, self.row_extras, self.bar_keys = {}, dict, ()  # a recipe's row figures (collective), on the bar
         self.run_padding = self.run_positions = 0
         self._reset()

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, tqdm
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import ModelOutput
@@ -251,7 +251,7 @@ def evaluate_dpo(model, reference_logps, dataloader, accelerator, args) -> dict[
     model.eval()
     sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
     pairs = 0
-    for batch in dataloader:
+    for batch in tqdm(dataloader, desc="eval", leave=False):
         outputs = dpo_forward(model, reference_logps, batch, args, torch.ones((), device=accelerator.device))
         figures = accelerator.gather_for_metrics(outputs.figures)
         sums += figures.double().sum(0)

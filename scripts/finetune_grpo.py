@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType, gather_object, tqdm
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import ModelOutput
@@ -333,7 +333,7 @@ def evaluate_grpo(model, rollouts: Rollouts, dataloader, accelerator, args, step
     """Mean reward (in all and per function) of one sampled completion per held-out prompt, at the run's temperature,
     each from noise fixed by its prompt (the same at every evaluation), each prompt once (`gather_for_metrics`)."""
     found, rollouts.rewards.trainer_state.global_step = [], step
-    for slots in dataloader:
+    for slots in tqdm(dataloader, desc="eval", leave=False):
         batch = rollouts.generate(model, slots, ("eval", args.seed), split="validation")
         found.append(accelerator.gather_for_metrics(batch["rewards"]))
     rollouts.stop_on_reward_error()

@@ -131,6 +131,32 @@ def test_accelerate_yaml_loads(path, monkeypatch):
         assert config.mixed_precision == "bf16"
 
 
+@pytest.mark.parametrize("name", ["cpu_2proc.yaml", "tp.yaml", "fsdp2_tp.yaml"])
+def test_the_cpu_cores_warning_gives_advice_the_config_can_take(name, monkeypatch):
+    """More processes than cores: a config whose parallelism_config fixes the count (tp 2 x dp_shard 2 = 4) was told
+    to pass `--num_processes 2`, which it refuses; it is told what it needs instead. Others get the count to pass."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from common.features import cpu_threads
+
+    config = load_config_from_file(os.path.join(ROOT, "accelerate_configs", name))
+    monkeypatch.setattr(cpu_threads.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0})  # one core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(config.num_processes))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for key, size in (config.parallelism_config or {}).items():  # as `accelerate launch` hands them over
+        monkeypatch.setenv(key.upper(), str(size))
+    with pytest.warns(UserWarning) as warned:
+        cpu_threads.use_all_cores()
+    message = str(warned[0].message)
+    if config.parallelism_config:
+        assert "--num_processes" not in message and f"needs {config.num_processes};" in message, message
+        assert ("dp_shard 2 x tp 2" if name == "fsdp2_tp.yaml" else "(tp 2)") in message, message
+    else:
+        assert "pass --num_processes 1 (or fewer)" in message, message
+
+
 def test_slurm_script_is_valid_bash():
     subprocess.run(["bash", "-n", os.path.join(ROOT, "accelerate_configs", "slurm_multi_node.sbatch")], check=True)
 

@@ -261,23 +261,66 @@ def test_a_run_that_changes_nothing_leaves_the_lock_file_as_it_found_it(tmp_path
 
 
 def test_a_full_disk_under_metrics_jsonl_is_one_line(corpus, tmp_path):
-    """A real full disk (an 8 KiB tmpfs: the lock file and one page of rows) when a row is appended: that was the
-    metrics writer's traceback. Now one line naming the file, status 2 (no checkpoint: the line says to start over)."""
+    """A real full disk (a 12 KiB tmpfs: the lock file, exit_status.json's reserved room and one page of rows) when a
+    row is appended: that was the metrics writer's traceback. Now one line naming the file, status 2 (no checkpoint:
+    the line says to start over), and exit_status.json says so: it was missing (no room left for it)."""
     if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
         pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
-    out = tmp_path / "out"
+    out, copy = tmp_path / "out", tmp_path / "copy"
     out.mkdir()
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "pretrain_llama.py"), "--train_file", corpus["train"],
            "--validation_file", corpus["validation"], "--tokenizer_vocab_size", "300", "--block_size", "64",
            "--per_device_train_batch_size", "4", "--max_steps", "60", "--logging_steps", "1",
            "--sample_max_new_tokens", "0", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(out)]
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                           'mount -t tmpfs -o size=8k tmpfs "$0" && "$@"', str(out), *cmd], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    mount_run_copy = 'mount -t tmpfs -o size=12k tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount_run_copy, str(out),
+                           *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COPY": str(copy)})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: disk full: {out}/metrics.jsonl could not be written (filesystem {out}, 0 MiB free): free some space, "
-        "then rerun with --overwrite_output_dir (there is no checkpoint to resume)")
+    line = (f"error: disk full: {out}/metrics.jsonl could not be written (filesystem {out}, 0 MiB free): free some "
+            "space, then rerun with --overwrite_output_dir (there is no checkpoint to resume)")
+    assert proc.stderr.strip().splitlines()[-1] == line
+    record = json.loads((copy / "exit_status.json").read_text())
+    assert (record["exit_status"], record["state"], record["reason"]) == (2, "error", line)
+    assert sorted(os.listdir(copy)) == [".lock", "exit_status.json", "metrics.jsonl"]  # the room became the record
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_naming_its_file(tmp_path, capfd):
+    """TensorBoard writes its events in a thread, which printed its own 12-line traceback beside the run's line, and
+    the line named the output folder. A disk that refuses the event file's growth (the file-size limit, as a full
+    disk at its last page): one line naming the event file, nothing else on stderr."""
+    import resource
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from common.checkpoint import CheckpointExtras
+    from common.features.disk import mount_point, stop_on_full_disk
+
+    def train() -> int:
+        writer = SummaryWriter(str(tmp_path / "logs"))
+        for step in range(100_000):
+            writer.add_scalar("loss", 1.0, step)
+            writer.flush()
+        return 0
+
+    def log_until_refused():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+        try:
+            stop_on_full_disk(train, str(tmp_path), CheckpointExtras())()
+        except SystemExit as stop:
+            sys.stderr.flush()
+            os._exit(stop.code)
+
+    capfd.readouterr()
+    assert forked(log_until_refused) == 2
+    err = capfd.readouterr().err
+    events = [os.path.join(d, f) for d, _, names in os.walk(tmp_path / "logs") for f in names]
+    assert len(events) == 1 and os.path.basename(events[0]).startswith("events.out.tfevents.")
+    assert re.fullmatch(re.escape(f"error: disk full: {events[0]} could not be written (filesystem "
+                                  f"{mount_point(str(tmp_path))}, ") + r"\d+" + re.escape(
+        " MiB free): free some space, then rerun with --overwrite_output_dir (there is no checkpoint to resume)\n"),
+        err), err
 
 
 def test_a_metrics_row_the_disk_takes_only_in_part_is_not_written_at_all(tmp_path):

@@ -503,10 +503,20 @@ def test_the_kl_and_dropout_flags_say_what_trl_does(grpo, capsys, monkeypatch):
     assert "--text_column" not in help_text and "a prompt longer than this minus --max_completion_length" in help_text
 
 
+def a_used_default_output_dir(monkeypatch, tmp_path) -> str:
+    """Run from a folder whose `outputs/run` (the default --output_dir) holds a run, as a checkout does after the
+    Quick start: a test must not depend on it (these tests failed there). Returns an --output_dir of the test's own."""
+    (tmp_path / "outputs" / "run").mkdir(parents=True)
+    (tmp_path / "outputs" / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    monkeypatch.chdir(tmp_path)
+    return str(tmp_path / "out")
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_flags_are_one_line_before_any_work(grpo, capsys, monkeypatch, case):
+def test_bad_flags_are_one_line_before_any_work(grpo, capsys, monkeypatch, tmp_path, case):
     """Each refused while the flags are parsed (no model, no data): one line, exit status 2."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    output_dir = a_used_default_output_dir(monkeypatch, tmp_path)
     flags, line = BAD[case]
     flags = [f.format(rewards=grpo["rewards"]) for f in flags]
     if case != "no-reward" and "--reward_funcs" not in flags:
@@ -514,14 +524,14 @@ def test_bad_flags_are_one_line_before_any_work(grpo, capsys, monkeypatch, case)
     grpo_script = load_script("finetune_grpo")
     with pytest.raises(SystemExit) as stop:
         grpo_script.parse_args(["--model_name_or_path", grpo["model"], "--train_file", grpo["train"],
-                                "--num_generations", "4", *flags])
+                                "--output_dir", output_dir, "--num_generations", "4", *flags])
     errors = [text for text in capsys.readouterr().err.splitlines() if "error:" in text]
     assert stop.value.code == 2 and len(errors) == 1, errors
     assert line.format(rewards=grpo["rewards"]) in errors[0]
 
 
 @pytest.mark.parametrize("case", ["empty-prompt", "prompt-too-long"])
-def test_bad_prompts_are_one_line_naming_the_row(grpo, tmp_path, capsys, case):
+def test_bad_prompts_are_one_line_naming_the_row(grpo, tmp_path, capsys, monkeypatch, case):
     """An empty prompt: refused before the tokenizer loads. A prompt that leaves less than --max_completion_length
     of the context: refused with its row before any model is built."""
     from transformers import AutoConfig
@@ -531,8 +541,10 @@ def test_bad_prompts_are_one_line_naming_the_row(grpo, tmp_path, capsys, case):
     rows = [{"prompt": "Q: alpha\nA:"}, {"prompt": " " if case == "empty-prompt" else "Q:" + " alpha" * 40}]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    output_dir = a_used_default_output_dir(monkeypatch, tmp_path)
     args = load_script("finetune_grpo").parse_args([
         "--model_name_or_path", grpo["model"], "--train_file", str(path), "--validation_file", str(path),
+        "--output_dir", output_dir,
         "--reward_funcs", f"{grpo['rewards']}:letters", "--num_generations", "2", "--max_completion_length", "16",
         "--cache_dir", str(tmp_path / "cache")])
     accelerator = SimpleNamespace(main_process_first=lambda: __import__("contextlib").nullcontext())

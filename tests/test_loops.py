@@ -76,3 +76,33 @@ def test_no_explanatory_comment_is_copied_into_all_the_recipes():
     counts = Counter(comment for script in RECIPES for comment in comments(script))
     copied = sorted(comment for comment, n in counts.items() if n == len(RECIPES))
     assert not copied, f"explain once (in scripts/{RECIPES[0]}.py or the common/ module), not in every recipe: {copied}"
+
+
+def test_dpo_and_grpo_evaluations_show_a_progress_bar(capsys, monkeypatch):
+    """DPO's and GRPO's final evaluations (a forward per pair; a generation per prompt) ran minutes with nothing on
+    screen; each now has a bar over the held-out batches (gone once done), as the training steps have."""
+    import sys
+    import types
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.modeling_outputs import ModelOutput
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_bad_inputs import load_script
+
+    accelerator, model, batches = Accelerator(cpu=True), torch.nn.Linear(1, 1), [{}, {}, {}]
+    dpo, grpo = load_script("finetune_dpo"), load_script("finetune_grpo")
+    monkeypatch.setattr(dpo, "dpo_forward", lambda *a: ModelOutput(figures=torch.zeros(1, len(dpo.METRICS) + 1)))
+    capsys.readouterr()
+    assert dpo.evaluate_dpo(model, None, batches, accelerator, None)["eval_pairs"] == 3
+    assert "eval:   0%|          | 0/3" in capsys.readouterr().err
+    rollouts = types.SimpleNamespace(generate=lambda *a, **k: {"rewards": torch.ones(1, 1)}, weights=torch.ones(1),
+                                     stop_on_reward_error=lambda: None, metrics=types.SimpleNamespace(names=["r"]),
+                                     rewards=types.SimpleNamespace(trainer_state=types.SimpleNamespace(),
+                                                                   logged_metrics=lambda *a: {}))
+    assert grpo.evaluate_grpo(model, rollouts, batches, accelerator, types.SimpleNamespace(seed=0), 0)["eval_prompts"] == 3
+    assert "eval:   0%|          | 0/3" in capsys.readouterr().err
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -179,7 +179,8 @@ def test_the_wrapped_model_starts_as_the_base(quantized, data, tmp_path):
 def test_the_adapter_names_a_local_base_by_its_absolute_path(data, tmp_path, monkeypatch):
     """A base given as a relative --model_name_or_path ("outputs/pretrain") was stored so in the adapter's
     adapter_config.json (`base_model_name_or_path`): AutoPeftModelForCausalLM then failed from any other directory.
-    A local base is named by its absolute path, a hub id as given; the adapter loads from elsewhere."""
+    A local base is named by its absolute path, a hub id as given; the adapter loads from elsewhere. The model card
+    beside it (README.md) names the same base."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from peft import AutoPeftModelForCausalLM
@@ -197,6 +198,8 @@ def test_the_adapter_names_a_local_base_by_its_absolute_path(data, tmp_path, mon
     with open(tmp_path / "adapter" / "adapter_config.json") as f:
         stored = json.load(f)["base_model_name_or_path"]
     assert os.path.isabs(stored) and os.path.samefile(stored, data["model"]), stored
+    card = (tmp_path / "adapter" / "README.md").read_text()  # peft's model card: the same base (it kept "base")
+    assert f"\nbase_model: {stored}\n" in card and f"- base_model:adapter:{stored}\n" in card, card[:300]
     monkeypatch.chdir(tmp_path)
     reloaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
     assert reloaded.config.vocab_size == wrapped.config.vocab_size

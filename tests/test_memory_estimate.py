@@ -26,6 +26,8 @@ SHAPES = {  # LlamaConfig sizes, 2 layers; vocab 512 leaves the peak in a layer'
     "gqa": dict(hidden_size=128, intermediate_size=448, num_attention_heads=8, num_key_value_heads=2, vocab_size=512),
     "vocab": dict(hidden_size=128, intermediate_size=448, num_attention_heads=4, num_key_value_heads=4,
                   vocab_size=3840),
+    "vocab16k": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8,
+                     vocab_size=16000),
 }
 HELD_OUT = {  # kind -> (shape, recipe, flags)
     "narrow MLP (2x), LoRA": ("narrow", "finetune_causal_lm.py", ["--use_peft"]),
@@ -34,6 +36,9 @@ HELD_OUT = {  # kind -> (shape, recipe, flags)
     "vocabulary 30x hidden, LoRA": ("vocab", "finetune_causal_lm.py", ["--use_peft"]),
     "QLoRA": ("wide", "finetune_causal_lm.py", ["--use_peft", "--load_in_4bit"]),
     "chunked loss, LoRA": ("vocab", "finetune_causal_lm.py", ["--use_peft", "--chunked_cross_entropy"]),
+    # a chunk's bf16 and fp32 logits both alive: 22.5 % under the peak when only the fp32 ones were counted
+    "chunked loss, LoRA, 2 x 512 tokens, vocabulary 16k": ("vocab16k", "finetune_causal_lm.py", [
+        "--use_peft", "--chunked_cross_entropy", "--max_seq_length", "512"]),
     "offloading, LoRA": ("wide", "finetune_causal_lm.py", ["--use_peft", "--activation_offloading"]),
     "full fine-tuning": ("wide", "finetune_causal_lm.py", []),
     "DPO, LoRA": ("wide", "finetune_dpo.py", ["--use_peft"]),
@@ -52,8 +57,9 @@ def bases(tmp_path_factory) -> dict[str, str]:
     rng = random.Random(0)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731 (each word one token or more)
     rows = [{"prompt": "Summarise: ", "completion": words(SEQ)} for _ in range(12)]
+    long_rows = [{"prompt": "Summarise: ", "completion": words(4 * SEQ)} for _ in range(12)]  # 512 tokens or more
     pairs = [{"prompt": "Summarise: " + words(8), "chosen": words(SEQ), "rejected": words(SEQ)} for _ in range(12)]
-    for name, data in (("sft", rows), ("dpo", pairs)):
+    for name, data in (("sft", rows), ("sft_long", long_rows), ("dpo", pairs)):
         for split, part in (("train", data[:10]), ("validation", data[10:])):
             (folder / f"{name}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     tokenizer = train_bpe_tokenizer([r["completion"] for r in rows], 512)
@@ -68,7 +74,7 @@ def bases(tmp_path_factory) -> dict[str, str]:
 
 def recipe_command(bases: dict, kind: str, tmp_path) -> list[str]:
     shape, recipe, flags = HELD_OUT[kind]
-    data = "dpo" if recipe == "finetune_dpo.py" else "sft"
+    data = "dpo" if recipe == "finetune_dpo.py" else "sft_long" if "512" in flags else "sft"
     root = bases["root"]
     return [os.path.join(ROOT, "scripts", recipe), "--model_name_or_path", os.path.join(root, shape),
             "--train_file", os.path.join(root, f"{data}_train.jsonl"), "--validation_file",
@@ -84,7 +90,8 @@ def test_the_estimate_is_within_5_percent_of_the_profiled_peak(kind, bases, tmp_
     run_script(os.path.join(ROOT, "benchmarks", "profile_memory.py"), "--steps", "2", "--output_json", str(figures),
                "--", *command)
     measured = json.loads(figures.read_text())
-    answer = estimate_memory.command_answer(command, 80, device="cpu")
+    answer = estimate_memory.command_answer(command, 80, device="cpu")  # the profile is a CPU's (--device cpu)
+    assert answer["device"] == "cpu"
     ratio = answer["peak_bytes"] / measured["peak_bytes"]
     print(f"{kind}: measured {measured['peak_bytes'] / 2**20:.2f} MiB, estimated {answer['peak_bytes'] / 2**20:.2f} "
           f"MiB ({ratio - 1:+.1%}); measured by category {measured['by_category']}; estimated {answer['parts']}")
@@ -240,3 +247,68 @@ def test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora(tiny
         estimate_memory.main(["--", *launch, *recipe, "--use_peft"])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not supported with tensor parallelism" in err, err
+
+
+def gb_pair(cell: str) -> list[float]:
+    """'19.8 / 17.6 GB' -> [19.8, 17.6]; '17.6 GB' -> [17.6, 17.6]."""
+    figures = [float(part.strip().removesuffix("GB")) for part in cell.split("(")[0].split("/")]
+    return figures * 2 if len(figures) == 1 else figures
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_every_figure_the_estimator_prints_agrees_with_the_others(chunked):
+    """The 1b preset printed model states of 19.8 GB and then totals of 18.2 / 17.8 GB, and activations of 3.9 GB in
+    one table and 5.2 GB (115.7 kB per token per layer) in the next, for one micro-batch. Every output mode (the
+    configs' table, --activation_modes, --use_peft, --dpo, one command) now states the same figures, to their
+    rounding: each row's states + activations = its total, one GPU's row = the modes', LoRA table's and command's."""
+    flags = ["--model_preset", "1b"] + ["--chunked_cross_entropy"] * chunked
+    text = "\n".join(estimate_memory.report(estimate_memory.parse_args(flags + more))
+                     for more in (["--activation_modes", "--dpo"], ["--use_peft"]))  # (with --use_peft: QLoRA's modes)
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("config", "mode", "method") and "GB" in line:
+            rows.setdefault(cells[0], cells)
+    for name, cells in rows.items():  # the configs' table: states, activations, totals (plain / checkpointed)
+        if name.endswith(".yaml") or ".yaml +" in name:
+            states, acts, totals = gb_pair(cells[3]), gb_pair(cells[4]), gb_pair(cells[5])
+            assert all(abs(s + a - t) <= 0.11 for s, a, t in zip(states, acts, totals)), cells
+    single = rows["single_gpu.yaml"]
+    states, acts, totals = gb_pair(single[3]), gb_pair(single[4]), gb_pair(single[5])
+    header = next(line for line in text.splitlines() if line.startswith("Activation memory by mode"))
+    assert f"model states {states[0]:.1f} GB on one GPU without checkpointing, {states[1]:.1f} GB with it" in header
+    assert gb_pair(rows["none"][3])[0] == totals[0] and gb_pair(rows["full"][3])[0] == totals[1]
+    shape = estimate_memory.model_shape(estimate_memory.parse_args(flags))
+    per_token_layer = float(rows["none"][2].removesuffix(" kB")) * 1e3
+    assert per_token_layer * 2048 * shape.layers / 1e9 == pytest.approx(acts[0], abs=0.06)  # the layer's moment
+    full = rows["full fine-tuning"]  # the --use_peft table's, to two decimals
+    assert [round(x, 1) for x in gb_pair(full[2]) + gb_pair(full[3]) + gb_pair(full[4])] == states + acts + totals
+    for name in ("full, live reference", "full, precomputed reference"):  # --dpo: the same states
+        assert gb_pair(rows[name][2]) == states
+    command = ["scripts/pretrain_llama.py", "--model_preset", "1b", "--tokenizer_vocab_size", "32000", "--block_size",
+               "2048", "--per_device_train_batch_size", "1", "--bf16"] + ["--chunked_cross_entropy"] * chunked
+    for extra, total in (([], totals[0]), (["--gradient_checkpointing"], totals[1])):
+        assert round(estimate_memory.command_answer(command + extra, 80)["peak_bytes"] / 1e9, 1) == total
+
+
+def test_a_hub_id_the_machine_cannot_reach_is_one_line_at_once(monkeypatch, capsys):
+    """Offline, `-- ... --model_name_or_path <hub id>` retried the hub for ~25 s and then named --config_name, a flag
+    the user had not given. Now: offline (HF_HUB_OFFLINE) or with the hub unreachable (here a closed local port), one
+    line at once naming the flag given."""
+    import time
+
+    from huggingface_hub import constants
+
+    command = ["scripts/finetune_causal_lm.py", "--model_name_or_path", "no-such-org/no-such-model", "--bf16",
+               "--max_seq_length", "2048"]
+    cases = ((True, constants.ENDPOINT, "and not in the hub cache (HF_HUB_OFFLINE is set): give a folder"),
+             (False, "http://127.0.0.1:9", "not in the hub cache, and http://127.0.0.1:9 cannot be reached ("))
+    for offline, endpoint, why in cases:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as stop:
+            estimate_memory.command_answer(command, 80)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and time.monotonic() - started < 5, err
+        assert err.startswith("error: --model_name_or_path no-such-org/no-such-model: no such folder") and why in err

@@ -117,9 +117,11 @@ def command_lines_naming(out) -> dict[int, list[str]]:
 
 
 def trainer_pids(out) -> list[int]:
-    """The training processes of the run writing to `out` (not the launcher: its command line says `launch`)."""
+    """The training processes of the run writing to `out` (not the launcher: its command line says `launch` or
+    `tools/launch.py`)."""
     return [pid for pid, argv in command_lines_naming(out).items()
-            if "launch" not in argv and any(a.endswith(".py") for a in argv)]
+            if not {"launch", "launch.py"} & {os.path.basename(a) for a in argv}
+            and any(a.endswith(".py") for a in argv)]
 
 
 def alive(pid: int) -> bool:
@@ -145,10 +147,11 @@ def last_logged_step(out) -> int:
 
 
 def stop_run(cmd: list[str], out, sig: signal.Signals, to_group: bool,
-             processes: int) -> tuple[int, float, str, int]:
+             processes: int) -> tuple[int, float, str, int, list[int]]:
     """Start `cmd`; once it has logged STOP_AT, pause the trainers, note the last step they logged, send `sig` to the
     launcher's process group or to its PID alone, and let them go on. Returns (launcher exit status, seconds until
-    every process was gone, output, last step logged when the signal was sent).
+    every process was gone, output, last step logged when the signal was sent, the trainers still running when the
+    launcher had ended).
 
     The trainers are found before STOP_AT, so pausing them costs no /proc scan: a fast run (80 steps/s) could
     otherwise log more steps meanwhile; the property is checked against the step they had reached."""
@@ -172,6 +175,7 @@ def stop_run(cmd: list[str], out, sig: signal.Signals, to_group: bool,
         for pid in trainers:
             os.kill(pid, signal.SIGCONT)
         status = proc.wait(timeout=120)
+        left_running = [pid for pid in trainers if alive(pid)]
         while any(alive(pid) for pid in trainers) and time.monotonic() - started < 120:
             time.sleep(0.05)
         seconds = time.monotonic() - started
@@ -179,7 +183,7 @@ def stop_run(cmd: list[str], out, sig: signal.Signals, to_group: bool,
         kill_all(set(trainers) | set(trainer_pids(out)) | ({proc.pid} if proc.poll() is None else set()))
         proc.wait()
     with open(log) as f:
-        return status, seconds, f.read(), logged
+        return status, seconds, f.read(), logged, left_running
 
 
 def assert_stopped_once(out, output: str, logged: int, max_steps: int = MAX_STEPS) -> int:
@@ -230,7 +234,11 @@ CASES = {
     # 1 process, Ctrl-C/`kill -- -PGID` style: launcher and trainer get the signal; the launcher dies of it at once.
     "1proc-group-SIGTERM": (1, True, signal.SIGTERM, -signal.SIGTERM),
     # 1 process, `kill LAUNCHER_PID`: only the launcher gets it; the trainer hears of it via PR_SET_PDEATHSIG.
+    # The launcher ends at once, its trainer still saving (what tools/launch.py is for).
     "1proc-launcher-SIGTERM": (1, False, signal.SIGTERM, -signal.SIGTERM),
+    # 1 process, `kill LAUNCHER_PID` to tools/launch.py: the trainer gets it passed on; the launcher waits for it and
+    # returns its status.
+    "1proc-tools-launch-SIGTERM": (1, False, signal.SIGTERM, STOPPED_STATUS),
     # 2 processes: the agent forwards SIGTERM to the workers, waits for them, then exits 1 (SignalException).
     "2proc-group-SIGTERM": (2, True, signal.SIGTERM, 1),
     # 2 processes, SIGUSR1 to the launcher (Slurm --signal=USR1@...): the agent dies of it without forwarding it;
@@ -244,10 +252,15 @@ def test_stop_signal_checkpoints_and_resumes_exactly(case, corpus, cache, uninte
     processes, to_group, sig, launcher_status = CASES[case]
     config = "cpu_1proc.yaml" if processes == 1 else "cpu_2proc.yaml"
     out = tmp_path / "run"
-    cmd = launcher(config, processes) + [os.path.join(SCRIPTS, "pretrain_llama.py"), *pretrain_args(corpus, cache, out)]
-    status, seconds, output, logged = stop_run(cmd, str(out), sig, to_group, processes)
+    launch = launcher(config, processes)
+    if "tools-launch" in case:  # the same arguments, to our launcher
+        launch = [sys.executable, os.path.join(ROOT, "tools", "launch.py"), *launch[2:]]
+    cmd = launch + [os.path.join(SCRIPTS, "pretrain_llama.py"), *pretrain_args(corpus, cache, out)]
+    status, seconds, output, logged, left_running = stop_run(cmd, str(out), sig, to_group, processes)
     step = assert_stopped_once(out, output, logged)
     assert status == launcher_status, output[-3000:]
+    # a launcher that returns a status waited for its trainers; accelerate's one-process one, killed, left it saving
+    assert not left_running if launcher_status >= 0 else case != "1proc-launcher-SIGTERM" or left_running, case
     assert exit_status(out) == {"exit_status": STOPPED_STATUS, "state": "stopped", "reason": STOPPED_REASON}
     assert seconds < GONE_WITHIN_S
     reference = uninterrupted(processes)
@@ -271,7 +284,7 @@ def test_fine_tuning_scripts_stop_on_sigint_and_sigusr1(sft, tiny, tmp_path):  #
         cmd = [sys.executable, os.path.join(SCRIPTS, script), "--model_name_or_path", data["model"], "--train_file",
                data["train"], "--validation_file", data["validation"], *args, "--output_dir", out, "--max_steps", "40",
                "--logging_steps", "1"]
-        status, seconds, output, logged = stop_run(cmd, out, sig, to_group=False, processes=1)
+        status, seconds, output, logged, _ = stop_run(cmd, out, sig, to_group=False, processes=1)
         step = assert_stopped_once(out, output, logged, max_steps=40)
         assert f"Stopped on {sig.name}" in output
         assert status == STOPPED_STATUS and seconds < GONE_WITHIN_S, output[-3000:]

@@ -3,6 +3,8 @@ the uninterrupted run would have, epochs included, and never goes past `total_st
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -65,3 +67,16 @@ def test_resume_at_any_step_continues_the_uninterrupted_run(accelerator, start):
     full = run(accelerator, 0, 13)
     assert len(full) == 13
     assert run(accelerator, start, 13) == full[start:]
+
+
+def test_the_progress_bar_draws_nothing_before_the_first_step(accelerator, tmp_path, capsys):
+    """Each recipe logs its `Model: ...` line once the step log (and its bar) exists: the bar's `train: 0%` frame,
+    drawn at once, left that line to begin after it, on the same line. Now the bar is drawn from the first step."""
+    from common.metrics import StepLog
+
+    log = StepLog(accelerator, str(tmp_path), 0, 10, 5, 1)
+    assert capsys.readouterr().err == ""  # the recipe's "Model:" line starts a line of its own
+    time.sleep(log.bar.mininterval)  # a step's time
+    log.bar.update(1)
+    assert "train:  10%" in capsys.readouterr().err
+    log.bar.close()

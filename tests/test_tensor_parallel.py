@@ -234,3 +234,36 @@ def test_the_upstream_lines_that_force_the_torch_path_still_hold():
     with pytest.raises(ImportError):
         from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
     assert "MULTI_CPU" not in inspect.getsource(Accelerator.multi_device.fget)
+
+
+def test_torch_still_prints_the_two_warnings_tensor_parallel_runs_silence():
+    """Under tp.yaml / fsdp2_tp.yaml every process printed FSDP2's view-tensor warning and DTensor's two-collectives
+    warning (common/features/tensor_parallel.py says why neither applies). They are silenced, and nothing else:
+    once torch stops printing them this fails, and `quiet_tensor_parallel_warnings` can go."""
+    import inspect
+    import logging
+    import re
+    import warnings
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.tensor import _redistribute
+
+    from common.features.tensor_parallel import (REDISTRIBUTE_LOGGER, REDISTRIBUTE_WARNING, VIEW_WARNING,
+                                                 quiet_tensor_parallel_warnings)
+
+    printed = ("FSDP2-wrapped module (FSDPLlamaForCausalLM) returned a view tensor. An in-place op on this view (e.g., "
+               "`x += y`) will silently drop the pre-backward hook")
+    assert "returned a view tensor" in inspect.getsource(FSDPState._register_pre_backward_hook)
+    assert re.match(VIEW_WARNING, printed)
+    assert f'"{REDISTRIBUTE_WARNING}%s to %s, %d sequential' in inspect.getsource(_redistribute)
+    assert _redistribute.logger.name == REDISTRIBUTE_LOGGER
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_tensor_parallel_warnings()
+        warnings.warn(printed, UserWarning)
+        warnings.warn("FSDP2 something else", UserWarning)
+    assert [str(w.message) for w in caught] == ["FSDP2 something else"]
+    logger = logging.getLogger(REDISTRIBUTE_LOGGER)
+    record = lambda msg: logging.LogRecord(REDISTRIBUTE_LOGGER, logging.WARNING, "", 0, msg, (), None)  # noqa: E731
+    assert not logger.filter(record(REDISTRIBUTE_WARNING + "%s to %s, %d sequential %s operations"))
+    assert logger.filter(record("another warning"))

@@ -25,12 +25,15 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
 - Offload: ZeRO-2 moves fp32 master weights, m, v and the fp32 gradients to host RAM (16 per parameter, over the
   nodes), the GPU keeps bf16 weights (2) and its gradient partition (2/N). ZeRO-3 with parameter offload keeps only
   the unit being computed on the GPU; host RAM holds 18 per parameter (+ bf16 weights).
-- Activations per GPU (Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s, hidden h, L layers,
-  a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores the s×s scores:
-  L·s·b·h·34. Tensor parallelism over t GPUs (no sequence parallelism) splits the tensors as wide as the heads or
-  the MLP and leaves those of the hidden width (layer input, norm outputs, residual adds, o/down outputs) whole on
-  every GPU: L·s·b·h·(10 + 24/t + 5·a·s/(h·t)) (Korthikanti's Table 2). With --gradient_checkpointing only each
-  layer's bf16 input stays (2·s·b·h·L) plus one layer's activations while it is recomputed. Logits add s·b·V·12
+- Activations per GPU in every table (`peak_activations`): what a full fine-tuning's peak (`peak_memory`, below) adds
+  to its model states, so the configs' table, --activation_modes, --use_peft, --dpo (2b rows) and one command state
+  the same figures; plain PyTorch's autocast copies (2 bytes per parameter) count only without checkpointing.
+- `activation_bytes` (the GPU suite's rows; Korthikanti et al. 2022, arXiv:2205.05198), micro-batch b, sequence s,
+  hidden h, L layers, a heads: L·s·b·h·(34 + 5·a·s/h) bytes with eager attention; SDPA/flash attention never stores
+  the s×s scores: L·s·b·h·34. Tensor parallelism over t GPUs (no sequence parallelism) splits the tensors as wide as
+  the heads or the MLP and leaves those of the hidden width (layer input, norm outputs, residual adds, o/down outputs)
+  whole on every GPU: L·s·b·h·(10 + 24/t + 5·a·s/(h·t)) (Korthikanti's Table 2). With --gradient_checkpointing only
+  each layer's bf16 input stays (2·s·b·h·L) plus one layer's activations while it is recomputed. Logits add s·b·V·12
   at the loss's backward (the fp32 log-softmax, its gradient and the input's gradient; measured on a CPU); with
   --chunked_cross_entropy only one chunk of 1,024 tokens exists at a time (`logits_bytes`).
 - One run on one GPU (one command after --, the --use_peft and --activation_modes tables, the GPU suite's memory
@@ -71,7 +74,9 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
+import urllib.parse
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
@@ -113,6 +118,31 @@ class Option:
     tp: int = 1  # tensor-parallel size: activations split
 
 
+def hub_or_local_config(name: str, flag: str):
+    """The config of a local folder, of the hub cache, or of the hub; a hub the machine cannot reach is one line at
+    once (huggingface_hub retried for ~25 s), naming the flag the user gave."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from common.inputs import from_pretrained_or_fail
+
+    if not os.path.isdir(name):
+        try:
+            return AutoConfig.from_pretrained(name, local_files_only=True)  # cached: no hub needed
+        except (OSError, ValueError):
+            pass
+        if constants.HF_HUB_OFFLINE:
+            fail(f"{flag} {name}: no such folder, and not in the hub cache (HF_HUB_OFFLINE is set): give a folder "
+                 "holding its config.json")
+        host = urllib.parse.urlparse(constants.ENDPOINT)
+        try:
+            socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
+        except OSError as error:
+            fail(f"{flag} {name}: no such folder, not in the hub cache, and {constants.ENDPOINT} cannot be reached "
+                 f"({error.strerror or error}): give a folder holding its config.json")
+    return from_pretrained_or_fail(AutoConfig.from_pretrained, name, flag)
+
+
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """Parameter count and shape: from --params, or from a config instantiated on the meta device (no memory)."""
     if args.params:
@@ -122,8 +152,11 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
     from common.inputs.modeling import load_config
 
-    config = load_config(argparse.Namespace(model_name_or_path=None, config_name=args.config_name,
-                                            model_preset=args.model_preset))
+    if args.config_name:
+        config = hub_or_local_config(args.config_name, getattr(args, "config_flag", "--config_name"))
+    else:
+        config = load_config(argparse.Namespace(model_name_or_path=None, config_name=None,
+                                                model_preset=args.model_preset))
     if args.vocab_size:
         config.vocab_size = args.vocab_size
     with torch.device("meta"):
@@ -275,11 +308,32 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
     return {**result, "total": sum(result.values())}
 
 
+AUTOCAST_CASTS = 2  # bytes per parameter: autocast's bf16 weight copies, kept for the backward without checkpointing
+PLAIN_PYTORCH = ("single_gpu.yaml", "multi_gpu.yaml", "multi_node.yaml")  # autocast: the rows whose states count them
+
+
+def peak_activations(shape: ModelShape, args: argparse.Namespace, mode: str, sdpa: bool = True, tp: int = 1) -> float:
+    """What one micro-batch adds to a full fine-tuning's model states at its peak (`peak_memory`, the figures of
+    --activation_modes and of one command): the activations kept and recomputed, the logits or a layer's gradients,
+    whichever moment is larger; model states = fp32 weights, gradients, AdamW m and v, and without checkpointing
+    autocast's bf16 weights. Eager attention adds its s x s scores (5·a·s bytes per token, every layer or the one
+    recomputed)."""
+    run = Run("full fine-tuning", args.seq_len, args.micro_batch_size, mode, chunked=args.chunked_cross_entropy, tp=tp)
+    peak = peak_memory(shape, run)
+    states = peak["weights"] + peak["optimizer states"] + 4 * shape.params + peak.get("casts", 0)
+    tokens, layers = args.seq_len * args.micro_batch_size, shape.layers if mode == "none" else 1
+    scores = 0 if sdpa else tokens * 5 * shape.heads * args.seq_len / tp * layers
+    return peak["total"] - states + scores
+
+
 def activation_modes_report(args: argparse.Namespace, shape: ModelShape, states: float, what: str) -> list[str]:
     """Per mode: what a token keeps per layer, the activations at --seq_len, and the longest sequence that fits."""
     b, limit = args.micro_batch_size, HEADROOM * args.gpu_memory_gb * GB
     host_limit = HEADROOM * args.host_memory_gb * GB if args.host_memory_gb else math.inf
-    lines = ["", f"Activation memory by mode ({what}, model states {states / GB:.1f} GB on one GPU, micro-batch {b}, "
+    held = (f"{states / GB:.1f} GB on one GPU without checkpointing, "
+            f"{(states - AUTOCAST_CASTS * shape.params) / GB:.1f} GB with it" if what == "full fine-tuning"
+            else f"{states / GB:.1f} GB on one GPU")
+    lines = ["", f"Activation memory by mode ({what}, model states {held}, micro-batch {b}, "
              "SDPA, one chunk of the logits with --chunked_cross_entropy):", "",
              "| mode | flags | bytes per token per layer | GPU total at --seq_len | longest sequence that fits |",
              "|---|---|---|---|---|"]
@@ -411,8 +465,8 @@ def adapter_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
 def dpo_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
     """The --dpo table: policy + reference per GPU holding both whole (one GPU, DDP), 2 x micro-batch rows."""
     rows = 2 * args.micro_batch_size
-    acts = [activation_bytes(shape, args.seq_len, rows, ckpt, args.attn_implementation != "eager",
-                             args.chunked_cross_entropy) for ckpt in (False, True)]
+    pairs = argparse.Namespace(**{**vars(args), "micro_batch_size": rows})  # the main table's figures at 2b rows
+    acts = [peak_activations(shape, pairs, mode, args.attn_implementation != "eager") for mode in ("none", "full")]
     reference_logits = args.seq_len * args.micro_batch_size * 2 * shape.vocab * 6  # bf16 logits + their fp32 copy
     methods = adapter_options(shape, args.lora_r, args.use_bnb_nested_quant)
     table = [("full, live reference", "", methods[0][3], 4 * shape.params + reference_logits),
@@ -421,13 +475,15 @@ def dpo_report(args: argparse.Namespace, shape: ModelShape) -> list[str]:
              ("QLoRA (reference: adapter disabled)", f"`{methods[2][1]}`", methods[2][2] + methods[2][3], 0)]
     lines = ["", f"DPO, {args.micro_batch_size} pairs per micro-batch ({rows} rows), per GPU holding the policy and "
              "the reference whole (one GPU, DDP):", "",
-             "| method | flags | policy states | reference | activations (plain / checkpointed) "
+             "| method | flags | policy states (plain / checkpointed) | reference | activations (plain / checkpointed) "
              "| GPU total (plain / checkpointed) | fits |", "|---|---|---|---|---|---|---|"]
     for method, flags, policy, reference in table:
-        totals = [policy + reference + a for a in acts]
+        casts = AUTOCAST_CASTS * shape.params if method.startswith("full") else 0  # kept without checkpointing only
+        totals = [policy + reference + acts[0], policy - casts + reference + acts[1]]
         verdict = "yes" if fits(totals[0], args.gpu_memory_gb * GB) else "with `--gradient_checkpointing`" if fits(
             totals[1], args.gpu_memory_gb * GB) else "no"
-        lines.append(f"| {method} | {flags} | {policy / GB:.1f} GB | {reference / GB:.1f} GB | {acts[0] / GB:.1f} / "
+        held = f"{policy / GB:.1f} / {(policy - casts) / GB:.1f} GB" if casts else f"{policy / GB:.1f} GB"
+        lines.append(f"| {method} | {flags} | {held} | {reference / GB:.1f} GB | {acts[0] / GB:.1f} / "
                      f"{acts[1] / GB:.1f} GB | {totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB | {verdict} |")
     return lines
 
@@ -442,9 +498,8 @@ def report(args: argparse.Namespace) -> str:
     gpu_limit, host_limit = args.gpu_memory_gb * GB, (args.host_memory_gb or math.inf) * GB
     sdpa = args.attn_implementation != "eager"
     def activations(tp: int) -> list[float] | None:  # plain / checkpointed; tensor parallelism splits some
-        return None if shape.hidden is None else [activation_bytes(
-            shape, args.seq_len, args.micro_batch_size, ckpt, sdpa, args.chunked_cross_entropy, tp)
-            for ckpt in (False, True)]
+        return None if shape.hidden is None else [peak_activations(shape, args, mode, sdpa, tp)
+                                                  for mode in ("none", "full")]
 
     acts = activations(1)
     source = f"--params {args.params:.3g}" if args.params else (args.config_name or f"preset {args.model_preset}")
@@ -463,13 +518,17 @@ def report(args: argparse.Namespace) -> str:
                   f"{min(tokens, CHUNK_TOKENS):,} tokens" + (f", plus {(chunked - chunk) / GB:.2f} GB of buffers of "
                                                              "the trained head's weight" if chunked > chunk else "")
                   + f"; the table counts {'one chunk' if args.chunked_cross_entropy else 'them in full'}.", ""]
-    lines += ["| config | what | model states, bytes/param per GPU | model states per GPU | activations per GPU "
-              "(plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node | fits |",
+    lines += ["| config | what | model states, bytes/param per GPU (plain / checkpointed) | model states per GPU | "
+              "activations per GPU (plain / checkpointed) | GPU total (plain / checkpointed) | host RAM per node "
+              "| fits |",
               "|---|---|---|---|---|---|---|---|"]
     candidates = []  # (rank, option, needs checkpointing): offload is slower than recomputing activations
     for index, opt in enumerate(options(shape, args.num_gpus, gpus_per_node)):
         row_acts = activations(opt.tp)
-        totals = [opt.states + a for a in row_acts] if row_acts else [opt.states, None]
+        # plain PyTorch's 18 bytes count autocast's bf16 weights, which only a run without checkpointing keeps
+        casts = AUTOCAST_CASTS * shape.params if opt.config in PLAIN_PYTORCH else 0
+        states = [opt.states, opt.states - casts]
+        totals = [st + a for st, a in zip(states, row_acts)] if row_acts else [opt.states, None]
         host_ok = opt.host <= HEADROOM * host_limit
         verdict = ("yes" if fits(totals[0], gpu_limit) else
                    "with `--gradient_checkpointing`" if fits(totals[1], gpu_limit) else "no")
@@ -481,7 +540,11 @@ def report(args: argparse.Namespace) -> str:
         total = (f"{totals[0] / GB:.1f} / {totals[1] / GB:.1f} GB" if row_acts
                  else f"{totals[0] / GB:.1f} GB + activations")
         name = opt.config + (f" + `{opt.flags}`" if opt.flags else "")
-        lines.append(f"| {name} | {opt.what} | {opt.bytes_per_param:.3g} | {opt.states / GB:.1f} GB | {act} | "
+        per_param, held = f"{opt.bytes_per_param:.3g}", f"{opt.states / GB:.1f} GB"
+        if casts and row_acts:
+            per_param += f" / {opt.bytes_per_param - AUTOCAST_CASTS:.3g}"
+            held = f"{states[0] / GB:.1f} / {states[1] / GB:.1f} GB"
+        lines.append(f"| {name} | {opt.what} | {per_param} | {held} | {act} | "
                      f"{total} | {opt.host / GB:.1f} GB | {verdict} |")
     lines.append("")
     if not candidates:
@@ -579,7 +642,8 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
     if source is None and recipe != "pretrain_llama.py":
         fail(f"{recipe}: give --model_name_or_path (a folder holding only config.json is enough)")
     shape = model_shape(argparse.Namespace(params=None, config_name=source, model_preset=args.model_preset or (
-        None if source else "tiny"), vocab_size=None if source else args.tokenizer_vocab_size))
+        None if source else "tiny"), vocab_size=None if source else args.tokenizer_vocab_size,
+        config_flag="--model_name_or_path" if args.model_name_or_path else "--config_name"))
     method = "full fine-tuning" if not args.use_peft else "QLoRA" if args.load_in_4bit else "LoRA"
     option = args.selective_ac_option
     mode = ("offload" if args.activation_offloading else "op" if option == "op" else "every" if option
@@ -632,7 +696,7 @@ def command_answer(command: list[str], gpu_memory_gb: float, device: str = "cuda
             "fits": fits(total, gpu_memory_gb * GB), "recipe": about["recipe"], "model": about["model"],
             "parameters": shape.params, "method": run.method, "tokens_per_micro_batch": run.seq * run.batch,
             "activation_memory": run.mode, "chunked_loss": run.chunked,
-            "processes": about["launch"]["num_processes"]}
+            "processes": about["launch"]["num_processes"], "device": device}
 
 
 def command_report(answer: dict) -> str:
@@ -642,7 +706,8 @@ def command_report(answer: dict) -> str:
     lines = [f"{answer['recipe']}, {answer['model']} ({answer['parameters'] / 1e9:.3g}B parameters), "
              f"{answer['method']}, {answer['tokens_per_micro_batch']:,} tokens per micro-batch, activation memory "
              f"{answer['activation_memory']}, {'chunked' if answer['chunked_loss'] else 'full'} logits, "
-             f"{answer['processes']} process(es)",
+             f"{answer['processes']} process(es), on {'a GPU' if answer['device'] == 'cuda' else 'a CPU'} "
+             f"({'--device cpu for a CPU run: its kernels keep more' if answer['device'] == 'cuda' else '--device cpu'})",
              f"Peak per GPU: {answer['peak_bytes'] / gib:.2f} GiB ({answer['peak_bytes'] / GB:.2f} GB), at "
              f"{answer['at']}; made of:"]
     width = max(len(k) for k in answer["parts"])

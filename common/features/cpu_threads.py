@@ -19,9 +19,18 @@ def use_all_cores() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if local_processes > cores and os.environ.get("LOCAL_RANK", "0") == "0":
-        # accelerate takes the count from the config file, never from the machine (a GPU config says 8)
-        warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: pass --num_processes "
-                      f"{cores} (or fewer) after --config_file to `accelerate launch`")
+        # accelerate takes the count from the config file, never from the machine (a GPU config says 8), but a
+        # parallelism_config (tp.yaml, fsdp2_tp.yaml) fixes it: the product of its sizes
+        sizes = {name[len("PARALLELISM_CONFIG_"):-len("_SIZE")].lower(): int(value) for name, value in os.environ.items()
+                 if name.startswith("PARALLELISM_CONFIG_") and name.endswith("_SIZE") and value.isdigit()}
+        mesh = {name: size for name, size in sorted(sizes.items()) if size > 1}
+        if mesh:
+            warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: the config's "
+                          f"parallelism_config ({' x '.join(f'{n} {s}' for n, s in mesh.items())}) needs "
+                          f"{local_processes}; expect a slow run, or lower its sizes in the config file")
+        else:
+            warnings.warn(f"{local_processes} processes share {cores} CPU cores on this machine: pass --num_processes "
+                          f"{cores} (or fewer) after --config_file to `accelerate launch`")
     if os.environ.get("OMP_NUM_THREADS", "1") != "1" or omp_threads_set_by_user():
         return
     torch.set_num_threads(max(1, cores // local_processes))

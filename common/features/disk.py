@@ -10,6 +10,7 @@ import io
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 
 from common.checkpoint import CheckpointExtras, complete_checkpoints
@@ -100,6 +101,7 @@ def stop_on_full_disk(train: Callable[..., int], output_dir: str, extras: Checkp
     save gives, whichever write met the full disk first."""
     @functools.wraps(train)
     def guarded(*args, **kwargs) -> int:
+        print_thread_error, threading.excepthook = threading.excepthook, quiet_kept_write_errors(threading.excepthook)
         try:
             return train(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - Rust libraries raise a bare Exception "... (os error 28)"
@@ -114,7 +116,20 @@ def stop_on_full_disk(train: Callable[..., int], output_dir: str, extras: Checkp
                 if number in DISK_FULL_ERRNOS:
                     fail(disk_full_message(output_dir, step, complete_checkpoints(output_dir)))
             fail(unwritten_message(written_file(exc) or output_dir, number, output_dir))
+        finally:
+            threading.excepthook = print_thread_error
     return guarded
+
+
+def quiet_kept_write_errors(print_thread_error: Callable) -> Callable:
+    """threading.excepthook that does not print a refused write in a thread that keeps its error for its owner:
+    TensorBoard's event writer (`_AsyncWriterThread.exception`, raised again by the tracker's next call in the
+    run's thread, where the one line names the file). Any other thread's error is printed as before."""
+    def hook(args: threading.ExceptHookArgs) -> None:
+        kept = getattr(args.thread, "exception", None) is args.exc_value
+        if not (kept and refused_write_errno(args.exc_value) is not None):
+            print_thread_error(args)
+    return hook
 
 
 def refused_write_errno(exc: BaseException | None) -> int | None:
@@ -133,12 +148,12 @@ def written_file(exc: BaseException) -> str | None:
     """The file a failed write was writing: the error's filename, else the file object open in the innermost frame of
     the traceback that holds one (Python reports a failed write or flush without the file's name)."""
     if getattr(exc, "filename", None):
-        return str(exc.filename)
+        return os.fsdecode(exc.filename)
     found, frame = None, exc.__traceback__
     while frame is not None:
         for value in frame.tb_frame.f_locals.values():
-            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), str):
-                found = value.name
+            if isinstance(value, io.IOBase) and isinstance(getattr(value, "name", None), (str, bytes)):
+                found = os.fsdecode(value.name)  # TensorBoard opens its event files by bytes names
         frame = frame.tb_next
     return found
 

@@ -64,11 +64,12 @@ def write_holder(lock: IO, text: str) -> None:
 
 
 def folder_state(folder: str) -> dict[str, tuple[int, int]]:
-    """Each entry of `folder` (the lock file and exit_status.json aside) with its modification time and size: what a
-    run changes."""
+    """Each entry of `folder` (the lock file and exit_status.json with its reserved room aside) with its modification
+    time and size: what a run changes."""
     state = {}
     for entry in os.scandir(folder):
-        if entry.name not in (LOCK_FILE, EXIT_STATUS_FILE):  # the lock and the record of how a command ended
+        # the lock, the record of how a command ended and its room (common/features/exit_status.py's RESERVED_FILE)
+        if entry.name != LOCK_FILE and not entry.name.endswith(EXIT_STATUS_FILE):
             stat = entry.stat(follow_symlinks=False)
             state[entry.name] = (stat.st_mtime_ns, stat.st_size)
     return state

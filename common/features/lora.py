@@ -115,7 +115,9 @@ def add_adapter(args: argparse.Namespace, accelerator: Accelerator, model, task_
     if args.load_in_4bit:
         keep_4bit_layout(model)
     model = get_peft_model(model, lora_config(args, task_type))
-    model.peft_config["default"].base_model_name_or_path = base_model_name(args.model_name_or_path)
+    base, name = model.get_base_model(), base_model_name(args.model_name_or_path)
+    # adapter_config.json names the base by peft_config; the model card (README.md) by the base's name and config
+    model.peft_config["default"].base_model_name_or_path = base.name_or_path = base.config.name_or_path = name
     if accelerator.native_amp:
         keep_adapter_inputs_16bit(model)
     if keep_only_trainable_weights not in save_state_pre_hooks(accelerator):  # once per accelerator
@@ -125,8 +127,9 @@ def add_adapter(args: argparse.Namespace, accelerator: Accelerator, model, task_
 
 
 def base_model_name(name: str) -> str:
-    """What the exported adapter_config.json names its base by: a local folder's absolute path (peft stores the name
-    as given, and a relative one loads only from the directory the run was started in), a hub id as given."""
+    """What the exported adapter_config.json and model card (README.md, peft's `base_model`, from the base's config)
+    name the base by: a local folder's absolute path (peft stores the name as given, and a relative one loads only
+    from the directory the run was started in), a hub id as given."""
     return os.path.abspath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
 
 
