@@ -232,8 +232,10 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
     if key == "global_batch":  # length-grouped batches are cut from the order by per-device batch size
         fields = ("sequences", "per_device") if grouped else ("sequences",)
         return any(saved[f] != current[f] for f in fields)
-    if key in ("train_file", "validation_file") and saved and current:
-        return (saved["bytes"], saved["sha256_head_tail"]) != (current["bytes"], current["sha256_head_tail"])
+    if key in ("train_file", "validation_file") and saved and current:  # a mixture's: one per source
+        def content(files):
+            return [(f["bytes"], f["sha256_head_tail"]) for f in (files if isinstance(files, list) else [files])]
+        return content(saved) != content(current)
     if key == "base_model" and saved and current:  # the path may change; a folder and a hub id cannot be compared
         return any(saved.get(k) != current.get(k) for k in ("weights", "weights_xxh3_64", "revision")
                    if saved.get(k) and current.get(k))

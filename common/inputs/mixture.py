@@ -182,11 +182,14 @@ class Mixture:
     every prefix of the stream holds each source's share to within a block: Megatron's greedy blend, without a loop).
     Within a source, blocks come from its passes, each a new permutation of its blocks (seed, source, pass); an epoch
     takes the next `counts[k]` of them. `repeat`: an epoch holds as many blocks as the sources together;
-    `first_exhausted`: as many as the mixture holds before its first source would need a second pass, and one epoch."""
+    `first_exhausted`: as many as the mixture holds before its first source would need a second pass, and one epoch;
+    either cut to a whole number of global batches, so that any split of the batch over processes and accumulation
+    steps has the same steps per epoch."""
     sources: list[Source]
     lengths: list[int] | None  # blocks per source (None: streams, whose lengths are unknown)
     stopping: str
     seed: int
+    global_batch: int = 1  # an epoch is a whole number of global batches (in blocks): none wraps or is cut
     counts: np.ndarray = field(init=False)
     pattern: np.ndarray = field(init=False)
 
@@ -199,6 +202,7 @@ class Mixture:
             self.epoch_blocks = int(min(n / w for n, w in zip(self.lengths, weights)))
         else:
             self.epoch_blocks = int(sum(self.lengths))
+        self.epoch_blocks = max(self.epoch_blocks // self.global_batch, 1) * self.global_batch
         self.counts = share_counts(list(weights), self.epoch_blocks)
         due = np.concatenate([(np.arange(c) + 0.5) / w for c, w in zip(self.counts, weights)])
         owner = np.repeat(np.arange(len(self.sources)), self.counts)
@@ -354,6 +358,8 @@ def load_mixed_blocks(args: argparse.Namespace, accelerator, resume_from: str | 
                               resume_from, args.tokenizer_vocab_size)
     blocks = {s.name: tokenize_and_pack(source_args(args, s), accelerator, raw[s.name], tokenizer, args.block_size)
               for s in sources}
-    mixture = Mixture(sources, [len(blocks[s.name]["train"]) for s in sources], args.mixture_stopping, args.seed)
+    processes = accelerator.num_processes // getattr(accelerator.parallelism_config, "tp_size", 1)  # tp: one batch
+    mixture = Mixture(sources, [len(blocks[s.name]["train"]) for s in sources], args.mixture_stopping, args.seed,
+                      args.per_device_train_batch_size * args.gradient_accumulation_steps * processes)
     train = MixedBlocks(mixture, [blocks[s.name]["train"] for s in sources])
     return tokenizer, train, {s.name: blocks[s.name]["validation"] for s in sources}
