@@ -49,6 +49,16 @@ def sources(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+def fresh_accelerator():
+    """An Accelerator on the CPU from fresh process-wide state (other in-process tests may have left theirs)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True)
+
+
 def mixture_args(sources, names, weights, **extra):
     """The recipe's flags for a mixture of `names` (parsed, checked)."""
     from test_bad_inputs import pretrain
@@ -75,14 +85,13 @@ def test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled(sourc
     """Over three epochs, every optimizer step's prefix of the stream holds each source's weight as its token share
     to within 1 % (absolute; from the first 100 blocks on), `train_tokens/<source>` counts exactly what was drawn, a
     source drawn past its end starts a new pass in a new order, and `first_exhausted` ends before any block repeats."""
-    from accelerate import Accelerator
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
 
     from common.inputs.mixture import TokensPerSource, load_mixed_blocks, read_sources
 
     args = mixture_args(sources, names, weights)
-    accelerator = Accelerator(cpu=True)
+    accelerator = fresh_accelerator()
     _, train, _ = load_mixed_blocks(args, accelerator, None, read_sources(args))
     blocks = dict(zip(names, train.blocks))
     owner, mixture = source_of_blocks(blocks), train.mixture
@@ -125,14 +134,13 @@ def test_streaming_shares_are_within_two_percent(sources):
     """The streamed mixture (`interleave_datasets` with the weights as probabilities over packed blocks) holds each
     source's weight as its token share to within 2 % over 6,000 blocks, 2 and 3 sources, the short sources repeating;
     the loader counts per source what it hands out."""
-    from accelerate import Accelerator
     from torchdata.stateful_dataloader import StatefulDataLoader
     from transformers import AutoTokenizer, default_data_collator
 
     from common.features.streaming import StreamingLoader, load_streams, mix_streams, packed_blocks
     from common.inputs.mixture import Mixture, read_sources, source_args
 
-    tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), Accelerator(cpu=True)
+    tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), fresh_accelerator()
     for names, weights in ((("long", "short"), (0.7, 0.3)), (("long", "short", "mid"), (0.2, 0.5, 0.3))):
         args = mixture_args(sources, names, weights, streaming=True, max_steps=1)
         found = read_sources(args)
@@ -197,7 +205,6 @@ def test_a_bad_mixture_file_is_one_line_naming_the_source(sources, capsys, yaml_
 def test_a_mixture_file_trains_as_the_flags_do_and_a_source_without_text_is_one_line(sources, tmp_path, capsys):
     """The mixture file gives the sources, weights and held-out files the flags give; a source whose rows hold no text
     stops the run in one line naming it, before the tokenizer is trained."""
-    from accelerate import Accelerator
 
     from common.inputs.mixture import load_mixed_blocks, read_sources
     from test_bad_inputs import pretrain
@@ -214,7 +221,7 @@ def test_a_mixture_file_trains_as_the_flags_do_and_a_source_without_text_is_one_
     args = mixture_args({**sources, "short": str(empty)}, ("long", "short"), (0.5, 0.5), tokenizer_name=None)
     args.tokenizer_name, args.cache_dir = None, str(tmp_path / "cache")
     with pytest.raises(SystemExit) as exc:
-        load_mixed_blocks(args, Accelerator(cpu=True), None, read_sources(args))
+        load_mixed_blocks(args, fresh_accelerator(), None, read_sources(args))
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: source 'blank': its training rows hold no text"
     assert not (tmp_path / "cache").exists()  # no tokenizer trained
