@@ -33,9 +33,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from transformers import default_data_collator  # noqa: E402
 
 from common.errors import fail  # noqa: E402
+from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args  # noqa: E402
 from common.features.streaming import load_streams, mix_streams, packed_blocks  # noqa: E402
 from common.inputs.data import build_default_corpus, train_bpe_tokenizer  # noqa: E402
-from common.inputs.mixture import Mixture, load_mixed_blocks, read_sources, source_args  # noqa: E402
+from common.inputs.mixture import (Mixture, add_mixture_args, load_mixed_blocks, read_sources,  # noqa: E402
+                                   source_args)
 
 BLOCK, BATCH = 256, 8
 
@@ -69,13 +71,19 @@ def write_corpus(output_dir: str, max_bytes: int) -> dict[str, list[str]]:
 
 
 def recipe_args(files: list[str], tokenizer: str, cache_dir: str, weights: list[float], streaming: bool):
-    sys.argv = ["pretrain_llama.py"]
-    from scripts.pretrain_llama import parse_args as recipe_parse_args
-
+    """The pretraining recipe's data flags (common/flags.py, common/inputs/mixture.py) for these files."""
+    parser = ArgumentParser()
+    add_model_args(parser)
+    add_data_args(parser, files="+")
+    add_training_args(parser)
+    add_mixture_args(parser)
+    parser.add_argument("--block_size", type=int, help="Tokens per block.")
+    parser.add_argument("--tokenizer_vocab_size", type=int, help="Unused: the tokenizer is given.")
     argv = ["--train_file", *files, "--tokenizer_name", tokenizer, "--block_size", str(BLOCK), "--cache_dir",
             cache_dir, "--validation_split_percentage", "1", "--per_device_train_batch_size", str(BATCH)]
-    argv += ["--mixture_weights", *map(str, weights)] if len(files) > 1 else []
-    return recipe_parse_args(argv + (["--streaming", "--max_steps", "1"] if streaming else []))
+    args = parser.parse_args(argv + (["--mixture_weights", *map(str, weights)] if len(files) > 1 else []))
+    args.streaming = streaming
+    return args
 
 
 def time_map_style(args, accelerator) -> tuple[float, int]:
