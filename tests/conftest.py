@@ -266,7 +266,7 @@ FAST = {
                      "test_adapter_inputs_stay_16bit_and_train_the_same_adapter"},
     "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
     "test_mixture.py": {"test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled",
-                        "test_streaming_shares_are_within_two_percent",
+                        "test_streaming_shares_are_within_two_percent", "test_a_streamed_mixture_resumes_at_any_batch",
                         "test_a_bad_mixture_is_one_line_before_any_work",
                         "test_a_bad_mixture_file_is_one_line_naming_the_source",
                         "test_a_mixture_file_trains_as_the_flags_do_and_a_source_without_text_is_one_line"},

@@ -156,6 +156,43 @@ def test_streaming_shares_are_within_two_percent(sources):
         assert np.abs(shares - np.asarray(weights)).max() <= 0.02, shares
 
 
+def test_a_streamed_mixture_resumes_at_any_batch(sources, tmp_path):
+    """In-process: the interleaved stream saved after any of its first batches (`interleave_datasets`' state: the
+    generator, each source's position, repeats) and restored into a new loader goes on with the uninterrupted
+    batches, and its per-source counts with them."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import AutoTokenizer, default_data_collator
+
+    from common.features.streaming import StreamingLoader, load_streams, mix_streams, packed_blocks
+    from common.inputs.mixture import Mixture, read_sources, source_args
+
+    tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), fresh_accelerator()
+    args = mixture_args(sources, ("long", "short"), (0.7, 0.3), streaming=True, max_steps=1)
+    found = read_sources(args)
+
+    def new_stream() -> StreamingLoader:
+        blocks = [packed_blocks(load_streams(a)[0], a, tokenizer, 16) for a in (source_args(args, s) for s in found)]
+        return StreamingLoader(accelerator, StatefulDataLoader(mix_streams(blocks, Mixture(found, None, "repeat", 3)),
+                                                               batch_size=8, collate_fn=default_data_collator), 2)
+
+    def batches(stream: StreamingLoader, count: int) -> list[list[list[int]]]:
+        got = []
+        for batch in stream:
+            got.append(batch["input_ids"].tolist())
+            if len(got) == count:
+                return got
+
+    want = batches(new_stream(), 40)
+    for k in (1, 17, 33):
+        stream = new_stream()
+        assert batches(stream, k) == want[:k]
+        stream._save([], [], str(tmp_path))
+        resumed = new_stream()
+        resumed._load([], str(tmp_path))
+        assert resumed.drawn.tolist() == stream.drawn.tolist() and sum(stream.drawn.tolist()) == 8 * k
+        assert batches(resumed, 40 - k) == want[k:], k
+
+
 @pytest.mark.parametrize("extra,message", [
     ({"mixture_weights": "0.6"}, "--mixture_weights has 1 weights for 2 --train_file: give one per file"),
     ({"mixture_weights": "0.6 0"}, "source 'short': weight 0.0 must be a finite number > 0 (leave a source out "
