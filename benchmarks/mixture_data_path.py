@@ -88,7 +88,7 @@ def recipe_args(files: list[str], tokenizer: str, cache_dir: str, weights: list[
 
 def time_map_style(args, accelerator) -> tuple[float, int]:
     start = time.perf_counter()
-    _, train, _ = load_mixed_blocks(args, accelerator, None, read_sources(args))
+    _, train, _, _ = load_mixed_blocks(args, accelerator, None, read_sources(args))
     blocks = sum(len(batch["input_ids"]) for batch in DataLoader(train, batch_size=BATCH,
                                                                   collate_fn=default_data_collator))
     return blocks * BLOCK / (time.perf_counter() - start), blocks

@@ -149,17 +149,18 @@ def load_data(args, accelerator, resume_from: str | None):
     sources = read_sources(args)
     if args.streaming:  # feature: streaming
         return load_streaming_data(args, accelerator, resume_from, sources)  # no length: --max_steps long
-    tokenizer, train_blocks, eval_blocks = load_mixed_blocks(args, accelerator, resume_from, sources)
+    tokenizer, train_blocks, eval_blocks, mixture = load_mixed_blocks(args, accelerator, resume_from, sources)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
-    # In the mixture's order, which is its shuffle (a function of the seed, the epoch and the position alone). Its own
-    # generator: each new iterator draws a seed from it, not from the global RNG that dropout uses (a run resumed
-    # mid-epoch creates its iterator after the checkpoint's RNG is restored: one extra draw would change every mask).
-    train_dataloader = DataLoader(train_blocks, batch_size=args.per_device_train_batch_size,
-                                  generator=torch.Generator(), **loader_kwargs)
-    eval_dataloaders = {name: DataLoader(blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
-                        for name, blocks in eval_blocks.items()}
-    return tokenizer, train_dataloader, list(eval_dataloaders.values()), train_blocks.mixture
+    # One corpus is shuffled by the sampler; a mixture is read in its own order, which is its shuffle (a function of
+    # the seed, the epoch and the position). Its own generator: each new iterator draws a seed from it, not from the
+    # global RNG that dropout uses (a run resumed mid-epoch creates its iterator after the checkpoint's RNG is
+    # restored, the uninterrupted run at the epoch's start: that one extra draw would change every later mask).
+    train_dataloader = DataLoader(train_blocks, shuffle=len(sources) == 1, generator=torch.Generator(),
+                                  batch_size=args.per_device_train_batch_size, **loader_kwargs)
+    eval_dataloaders = [DataLoader(blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+                        for blocks in eval_blocks.values()]
+    return tokenizer, train_dataloader, eval_dataloaders, mixture
 
 
 def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:
@@ -263,8 +264,9 @@ def count_steps(args, accelerator, train_dataloader, mixture):
     if args.mixture_stopping == "first_exhausted" and steps_per_epoch:  # the epoch ends before a source repeats
         total_steps = min(total_steps, steps_per_epoch)
     drawn = getattr(train_dataloader, "blocks_drawn", None)  # a stream counts what it hands out
-    return steps_per_epoch, total_steps, TokensPerSource(
-        accelerator, mixture, args.block_size, args.per_device_train_batch_size * ga * processes, steps_per_epoch, drawn)
+    global_batch = args.per_device_train_batch_size * ga * processes
+    return steps_per_epoch, total_steps, TokensPerSource(accelerator, mixture, args.block_size, global_batch,
+                                                         steps_per_epoch, drawn)
 
 
 def exporter(args):

@@ -7,7 +7,6 @@ Sources of unequal document lengths: `long` (200-400 words a document) and `shor
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -15,9 +14,8 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import ROOT, SCRIPTS, launcher, read_metrics, run_script
+from conftest import SCRIPTS, launcher, read_metrics, run_script
 from test_crash_safety import newest_complete_step, sigkill, start, wait_for, weights_diff
 from test_distributed import assert_same_training
 
@@ -80,7 +78,8 @@ def source_of_blocks(blocks: dict) -> dict:
     return owner
 
 
-@pytest.mark.parametrize("names,weights", [(("long", "short"), (0.7, 0.3)), (("long", "short", "mid"), (0.2, 0.5, 0.3))])
+@pytest.mark.parametrize("names,weights", [(("long", "short"), (0.7, 0.3)),
+                                           (("long", "short", "mid"), (0.2, 0.5, 0.3))])
 def test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled(sources, names, weights):
     """Over three epochs, every optimizer step's prefix of the stream holds each source's weight as its token share
     to within 1 % (absolute; from the first 100 blocks on), `train_tokens/<source>` counts exactly what was drawn, a
@@ -92,7 +91,7 @@ def test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled(sourc
 
     args = mixture_args(sources, names, weights)
     accelerator = fresh_accelerator()
-    _, train, _ = load_mixed_blocks(args, accelerator, None, read_sources(args))
+    _, train, _, _ = load_mixed_blocks(args, accelerator, None, read_sources(args))
     blocks = dict(zip(names, train.blocks))
     owner, mixture = source_of_blocks(blocks), train.mixture
     assert min(mixture.lengths) * 3 < max(mixture.lengths)  # unequal sizes: some sources repeat, some are cut
@@ -269,7 +268,8 @@ def run_args(sources, output_dir, *extra: str, weights=("0.7", "0.3")) -> list[s
     return ["--train_file", sources["long"], sources["short"], "--validation_file", sources["long-val"],
             sources["short-val"], "--mixture_weights", *weights, "--tokenizer_name", sources["tokenizer"],
             "--block_size", "32", "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_steps", "4",
-            "--checkpointing_steps", str(EVERY), "--save_total_limit", "9", "--mixed_precision", "no", "--sample_max_new_tokens", "0",
+            "--checkpointing_steps", str(EVERY), "--save_total_limit", "9", "--mixed_precision", "no",
+            "--sample_max_new_tokens", "0",
             "--learning_rate", "3e-3", "--cache_dir", os.path.join(sources["dir"], "run-cache"),
             "--output_dir", str(output_dir), *extra]
 
@@ -345,7 +345,8 @@ def test_a_changed_mixture_is_refused_and_continues_as_a_second_stage(runs, sour
     continues (weights, optimizer and schedule from the checkpoint) and counts its tokens on from the checkpoint's."""
     d, _ = runs
     stage = d / "stage2"
-    shutil.copytree(d / "one" / "checkpoints" / f"step_{STEPS - EVERY}", stage / "checkpoints" / f"step_{STEPS - EVERY}")
+    checkpoint = f"step_{STEPS - EVERY}"
+    shutil.copytree(d / "one" / "checkpoints" / checkpoint, stage / "checkpoints" / checkpoint)
     shutil.copy(d / "one" / "metrics.jsonl", stage / "metrics.jsonl")
     base = run_args(sources, stage, "--per_device_train_batch_size", "8", "--resume_from_checkpoint", "latest",
                     weights=("0.2", "0.8"))

@@ -127,7 +127,8 @@ def read_mixture_file(path: str, text_column: str) -> list[Source]:
             fail(f"{where}: needs a `path` (a data file, a dataset folder or a hub id)")
         unknown = sorted(set(entry) - MIXTURE_KEYS)
         if unknown:
-            fail(f"{where} ({entry['path']}): unknown key {', '.join(unknown)} (keys: {', '.join(sorted(MIXTURE_KEYS))})")
+            fail(f"{where} ({entry['path']}): unknown key {', '.join(unknown)} "
+                 f"(keys: {', '.join(sorted(MIXTURE_KEYS))})")
         if entry.get("split", "train") != "train":
             fail(f"{where} ({entry['path']}): split '{entry['split']}': only the train split is trained on here")
         try:
@@ -358,8 +359,11 @@ def load_mixed_blocks(args: argparse.Namespace, accelerator, resume_from: str | 
                               resume_from, args.tokenizer_vocab_size)
     blocks = {s.name: tokenize_and_pack(source_args(args, s), accelerator, raw[s.name], tokenizer, args.block_size)
               for s in sources}
+    held_out = {s.name: blocks[s.name]["validation"] for s in sources}
+    if len(sources) == 1:  # one corpus: its blocks, for the sampler to shuffle (as before mixtures)
+        return tokenizer, blocks[sources[0].name]["train"], held_out, Mixture(
+            sources, [len(blocks[sources[0].name]["train"])], args.mixture_stopping, args.seed)
     processes = accelerator.num_processes // getattr(accelerator.parallelism_config, "tp_size", 1)  # tp: one batch
     mixture = Mixture(sources, [len(blocks[s.name]["train"]) for s in sources], args.mixture_stopping, args.seed,
                       args.per_device_train_batch_size * args.gradient_accumulation_steps * processes)
-    train = MixedBlocks(mixture, [blocks[s.name]["train"] for s in sources])
-    return tokenizer, train, {s.name: blocks[s.name]["validation"] for s in sources}
+    return tokenizer, MixedBlocks(mixture, [blocks[s.name]["train"] for s in sources]), held_out, mixture
