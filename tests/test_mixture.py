@@ -204,6 +204,8 @@ def test_a_streamed_mixture_resumes_at_any_batch(sources, tmp_path):
     ({"train_file": "{long} {long}"}, "two sources are named 'long'"),
     ({"train_file": "{long} {dir}/empty.jsonl"}, "--train_file {dir}/empty.jsonl: the file is empty"),
     ({"dataset_mixture": "{dir}/mix.yaml"}, "give --dataset_mixture or --train_file/--dataset_name/--mixture_weights"),
+    ({"streaming": "", "max_steps": "5", "mixture_stopping": "first_exhausted"},
+     "--mixture_stopping first_exhausted needs the map-style path"),
 ])
 def test_a_bad_mixture_is_one_line_before_any_work(sources, capsys, extra, message):
     from test_bad_inputs import one_line_error

@@ -116,14 +116,13 @@ def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, sources
 
 def mix_streams(blocks: list[IterableDataset], mixture: Mixture) -> IterableDataset:
     """The sources' packed blocks interleaved (`datasets.interleave_datasets`): each block drawn from a source with
-    its weight as probability (a share of blocks is a share of tokens), a `source` column saying which; `repeat`
-    restarts a source that runs out (a new pass), `first_exhausted` ends the stream there."""
+    its weight as probability (a share of blocks is a share of tokens), a `source` column saying which; a source that
+    runs out is restarted (a new pass)."""
     if len(blocks) == 1:
         return blocks[0]
     blocks = [b.map(lambda batch, k=k: {"source": [k] * len(batch["input_ids"])}, batched=True)
               for k, b in enumerate(blocks)]
-    if mixture.stopping == "repeat":
-        blocks = [b.repeat(None) for b in blocks]
+    blocks = [b.repeat(None) for b in blocks]  # a source that runs out starts a new pass (never first_exhausted)
     weights = [s.weight / sum(s.weight for s in mixture.sources) for s in mixture.sources]
     return interleave_datasets(blocks, probabilities=weights, seed=mixture.seed, stopping_strategy="first_exhausted")
 
@@ -248,3 +247,6 @@ def add_streaming_args(parser: argparse.ArgumentParser) -> None:
 def check_streaming_flags(args: argparse.Namespace) -> None:
     if args.streaming and args.max_steps <= 0:
         fail("--streaming needs --max_steps: a stream has no length to count epochs in")
+    if args.streaming and getattr(args, "mixture_stopping", None) == "first_exhausted":  # processes would end apart
+        fail("--mixture_stopping first_exhausted needs the map-style path: each process's stream would run out at "
+             "another step; with --streaming the run ends at --max_steps (sources repeat)")
