@@ -42,7 +42,9 @@ class Source:
     text_column: str = "text"
 
     def describe(self) -> dict:
-        return {"source": self.name, "weight": self.weight, "data": self.train_file or self.dataset_name,
+        """What a resume must keep (a file by its name: a requeued job may stage it elsewhere)."""
+        return {"source": self.name, "weight": self.weight,
+                "data": os.path.basename(self.train_file) if self.train_file else self.dataset_name,
                 "config": self.dataset_config_name, "text_column": self.text_column}
 
 
