@@ -8,7 +8,8 @@ The text is the embedded default corpus (this Python's standard library sources,
 cut into three files of about a third each, mixed with the weights of their token shares. Map-style: the recipe's
 `load_mixed_blocks` (tokenized and packed from scratch: the datasets cache is off) and one pass of its DataLoader;
 streaming: the recipe's streams (`load_streams`, `packed_blocks`, `mix_streams`) read through a StatefulDataLoader
-for as many blocks as the map-style pass had. The tokenizer is trained once beforehand and passed by path. Runs
+for twice as many blocks as the map-style pass had (the corpus twice: sources repeat). Documents are cut to 2,000
+characters, so that each source holds thousands. The tokenizer is trained once beforehand and passed by path. Runs
 alternate (one source, three sources) `--repeats` times; the table gives the median tokens/s and the spread. Prints
 one Markdown table and writes it, with the settings, to <output_dir>/results.json.
 """
@@ -56,8 +57,9 @@ def parse_args() -> argparse.Namespace:
 def write_corpus(output_dir: str, max_bytes: int) -> dict[str, list[str]]:
     """The default corpus as one file and as three of about a third of its rows each: {"one": [...], "three": [...]}."""
     corpus = build_default_corpus(os.path.join(output_dir, "cache"), max_bytes)
-    with open(corpus["train"], encoding="utf-8") as f:
-        rows = f.readlines()
+    with open(corpus["train"], encoding="utf-8") as f:  # documents of 2,000 characters: thousands per source
+        texts = [json.loads(line)["text"] for line in f]
+    rows = [json.dumps({"text": t[i:i + 2000]}) + "\n" for t in texts for i in range(0, len(t), 2000)]
     parts = {"one": [rows], "three": [rows[i::3] for i in range(3)]}
     files = {}
     for case, chunks in parts.items():
@@ -95,11 +97,14 @@ def time_map_style(args, accelerator) -> tuple[float, int]:
 
 
 def time_streaming(args, tokenizer, blocks: int) -> float:
+    """`blocks` blocks of the stream: twice the corpus, so that each source's tokenizing in batches of 1,000
+    documents (three sources hold three batches in flight, one source one) evens out over passes."""
     start = time.perf_counter()
     sources = read_sources(args)
     per_source = [source_args(args, s) for s in sources]
     streams = [packed_blocks(load_streams(a)[0], a, tokenizer, BLOCK) for a in per_source]
-    loader = StatefulDataLoader(mix_streams(streams, Mixture(sources, None, "repeat", args.seed)), batch_size=BATCH,
+    mixed = mix_streams(streams, Mixture(sources, None, "repeat", args.seed))
+    loader = StatefulDataLoader(mixed if len(sources) > 1 else mixed.repeat(None), batch_size=BATCH,
                                 collate_fn=default_data_collator)
     seen = 0
     for batch in loader:
@@ -130,7 +135,7 @@ def main() -> None:
                                           accelerator)
             results[(case, "map-style")].append(rate)
             streaming = recipe_args(files[case], tokenizer_dir, cache, weights[case], True)
-            results[(case, "streaming")].append(time_streaming(streaming, tokenizer, blocks))
+            results[(case, "streaming")].append(time_streaming(streaming, tokenizer, 2 * blocks))
     lines = ["| data path | sources | tokens/s (median) | spread |", "|---|---|---|---|"]
     for (case, path), rates in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0] == "three")):
         lines.append(f"| {path} | {1 if case == 'one' else 3} | {statistics.median(rates):,.0f} | "
