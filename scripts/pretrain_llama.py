@@ -144,8 +144,8 @@ def main() -> None:
 
 
 def load_data(args, accelerator, resume_from: str | None):
-    """Sources -> (mix) -> fast tokenizer -> packed blocks -> (tokenizer, train dataloader, {source: eval dataloader},
-    mixture); the stages are common/inputs/ (map-style) or common/features/streaming.py (a stream)."""
+    """Sources -> (mix) -> fast tokenizer -> packed blocks -> (tokenizer, train dataloader, an eval dataloader per
+    source, mixture); the stages are common/inputs/ (map-style) or common/features/streaming.py (a stream)."""
     sources = read_sources(args)
     if args.streaming:  # feature: streaming
         return load_streaming_data(args, accelerator, resume_from, sources)  # no length: --max_steps long
