@@ -81,7 +81,7 @@ def source_of_blocks(blocks: dict) -> dict:
 @pytest.mark.parametrize("names,weights", [(("long", "short"), (0.7, 0.3)),
                                            (("long", "short", "mid"), (0.2, 0.5, 0.3))])
 def test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled(sources, names, weights):
-    """Over three epochs, every optimizer step's prefix of the stream holds each source's weight as its token share
+    """Over two epochs, every optimizer step's prefix of the stream holds each source's weight as its token share
     to within 1 % (absolute; from the first 100 blocks on), `train_tokens/<source>` counts exactly what was drawn, a
     source drawn past its end starts a new pass in a new order, and `first_exhausted` ends before any block repeats."""
     from torch.utils.data import DataLoader
@@ -98,7 +98,7 @@ def test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled(sourc
     batch, steps_per_epoch = 8, len(train) // 8
     tokens = TokensPerSource(accelerator, mixture, 16, batch, steps_per_epoch)
     drawn = {n: 0 for n in names}
-    for epoch in range(3):
+    for epoch in range(2):
         train.set_epoch(epoch)
         for step, rows in enumerate(DataLoader(train, batch_size=batch, collate_fn=default_data_collator)):
             if step == steps_per_epoch:
@@ -181,15 +181,15 @@ def test_a_streamed_mixture_resumes_at_any_batch(sources, tmp_path):
             if len(got) == count:
                 return got
 
-    want = batches(new_stream(), 40)
-    for k in (1, 17, 33):
+    want = batches(new_stream(), 36)
+    for k in (5, 29):
         stream = new_stream()
         assert batches(stream, k) == want[:k]
         stream._save([], [], str(tmp_path))
         resumed = new_stream()
         resumed._load([], str(tmp_path))
         assert resumed.drawn.tolist() == stream.drawn.tolist() and sum(stream.drawn.tolist()) == 8 * k
-        assert batches(resumed, 40 - k) == want[k:], k
+        assert batches(resumed, 36 - k) == want[k:], k
 
 
 @pytest.mark.parametrize("extra,message", [
