@@ -42,12 +42,12 @@ def add_model_args(parser: argparse.ArgumentParser, presets: tuple[str, ...] = (
                    help="Recompute activations in the backward pass (non-reentrant): less memory, ~30%% more compute.")
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("data")
+def add_data_args(parser: argparse.ArgumentParser, files: str | None = None) -> None:
+    g = parser.add_argument_group("data")  # files="+": one file per source of a mixture (common/inputs/mixture.py)
     g.add_argument("--dataset_name", help="Dataset on the hub (or a local dataset folder), via `datasets`.")
     g.add_argument("--dataset_config_name", help="The dataset's configuration (e.g. sst2 of glue).")
-    g.add_argument("--train_file", help="txt, json/jsonl, csv or parquet file (None: the embedded default data).")
-    g.add_argument("--validation_file", help="Held-out file in the same format as --train_file.")
+    g.add_argument("--train_file", nargs=files, help="txt, json/jsonl, csv or parquet file (None: the embedded default data).")
+    g.add_argument("--validation_file", nargs=files, help="Held-out file in the same format as --train_file.")
     g.add_argument("--validation_split_percentage", type=int, default=5,
                    help="Held-out share of train (0-99) when there is no validation split.")
     g.add_argument("--text_column", default="text", help="Column holding the text.")

@@ -30,11 +30,11 @@ from common.accumulation import (backward_loss, check_loss_honours_num_items, co
                                  router_aux_loss_coefficient)
 from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
 from common.errors import fail
-from common.evaluation import evaluate_causal_lm
 from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args, check_common_flags
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
-from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.mixture import (TokensPerSource, add_mixture_args, evaluate_sources, load_mixed_blocks,
+                                   read_sources)
 from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
                                     full_numel, load_config, outside_zero3)
 from common.lifecycle import RunLifecycle, finish
@@ -74,7 +74,8 @@ logger = get_logger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(parser, PRESETS)
-    add_data_args(parser)
+    add_data_args(parser, files="+")  # one file per source of a mixture
+    add_mixture_args(parser)
     add_training_args(parser)
     add_divergence_args(parser)  # feature: divergence guard
     add_compile_args(parser)  # feature: torch compile
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sample_max_new_tokens", type=int, default=64, help="Tokens of that sample; 0: no sample.")
     args = parser.parse_args(argv)
     check_common_flags(args)
-    check_data_files(args.train_file, args.validation_file)
+    read_sources(args)  # each source checked (one line naming it) before any data is read
     check_divergence_flags(args)  # feature: divergence guard
     check_compile_flags(args)  # feature: torch compile
     if args.block_size < 2:
@@ -143,21 +144,23 @@ def main() -> None:
 
 
 def load_data(args, accelerator, resume_from: str | None):
-    """Corpus -> fast tokenizer -> packed blocks -> (tokenizer, train dataloader, eval dataloader)."""
+    """Sources -> (mix) -> fast tokenizer -> packed blocks -> (tokenizer, train dataloader, an eval dataloader per
+    source, mixture); the stages are common/inputs/ (map-style) or common/features/streaming.py (a stream)."""
+    sources = read_sources(args)
     if args.streaming:  # feature: streaming
-        return load_streaming_data(args, accelerator, resume_from)  # no length: --max_steps long
-    raw = load_raw_datasets(args)
-    tokenizer = get_tokenizer(args, accelerator, raw, resume_from, args.tokenizer_vocab_size)
-    data = tokenize_and_pack(args, accelerator, raw, tokenizer, args.block_size)
+        return load_streaming_data(args, accelerator, resume_from, sources)  # no length: --max_steps long
+    tokenizer, train_blocks, eval_blocks, mixture = load_mixed_blocks(args, accelerator, resume_from, sources)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
-    # Its own generator: each new iterator draws a seed from it, not from the global RNG that dropout uses. A run
-    # resumed mid-epoch creates its iterator after the checkpoint's RNG is restored (the uninterrupted run did so at
-    # the epoch's start): from the global RNG, that one extra draw would change every later dropout mask.
-    train_dataloader = DataLoader(data["train"], shuffle=True, batch_size=args.per_device_train_batch_size,
-                                  generator=torch.Generator(), **loader_kwargs)
-    eval_dataloader = DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, **loader_kwargs)
-    return tokenizer, train_dataloader, eval_dataloader
+    # One corpus is shuffled by the sampler; a mixture is read in its own order, which is its shuffle (a function of
+    # the seed, the epoch and the position). Its own generator: each new iterator draws a seed from it, not from the
+    # global RNG that dropout uses (a run resumed mid-epoch creates its iterator after the checkpoint's RNG is
+    # restored, the uninterrupted run at the epoch's start: that one extra draw would change every later mask).
+    train_dataloader = DataLoader(train_blocks, shuffle=len(sources) == 1, generator=torch.Generator(),
+                                  batch_size=args.per_device_train_batch_size, **loader_kwargs)
+    eval_dataloaders = [DataLoader(blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
+                        for blocks in eval_blocks.values()]
+    return tokenizer, train_dataloader, eval_dataloaders, mixture
 
 
 def train(args, config, accelerator, resume_from: str | None, extras: CheckpointExtras) -> int:
@@ -166,11 +169,9 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     extras.write, extras.check, extras.keep = record.write, record.check, record.keep  # feature: resume guard
     lock_output_dir(args.output_dir, accelerator.is_main_process)  # feature: folder lock
     run = RunLifecycle(accelerator, args.output_dir, args.overwrite_output_dir, resume_from, extras)
-    ga = args.gradient_accumulation_steps
-    tokenizer, train_dataloader, eval_dataloader = load_data(args, accelerator, resume_from)
-    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, accelerator.num_processes // getattr(
-        accelerator.parallelism_config, "tp_size", 1), args.max_steps, args.num_train_epochs, unit="blocks")
-    record.add_data(tokenizer, steps_per_epoch)  # feature: resume guard
+    tokenizer, train_dataloader, eval_dataloaders, mixture = load_data(args, accelerator, resume_from)
+    steps_per_epoch, total_steps, tokens = count_steps(args, accelerator, train_dataloader, mixture)
+    record.add_data(tokenizer, steps_per_epoch, mixture=mixture.describe())  # feature: resume guard
     # ---- model, optimizer, schedule (in optimizer steps) ------------------------------------------------------------
     model = build_model(args, config, len(tokenizer), accelerator)
     total_params = count_parameters(model)[1]
@@ -178,22 +179,24 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders)  # one eval dataloader per source
     tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
-    train_dataloader, eval_dataloader = unsliced(train_dataloader, eval_dataloader)  # feature: sequence parallel
+    train_dataloader, *eval_dataloaders = unsliced(train_dataloader, *eval_dataloaders)  # feature: sequence parallel
     check_loss_honours_num_items(model, accelerator, router_aux_loss_coef)  # else backward_loss's scale is wrong
     # restores a checkpoint, starts the trackers: the step counter, step log and divergence guard start from there
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("pretrain_llama", vars(args)), flops_per_token=step_flops)
     describe_run(args, accelerator, model, train_dataloader, steps_per_epoch, total_steps)
+    tokens.progress, log.row_extras = progress, tokens.row  # train_tokens/<source> in each row
     # ---- training loop: it ends at total_steps, or returns early on a stop signal or divergence ---------------------
     guard = NonFiniteGuard(accelerator, progress, args.max_nonfinite_steps)  # feature: divergence guard
     guard.stop_signalled = catch_stop_signals()  # feature: preemption
     train_start = time.perf_counter()
     model.train()
     # one optimizer step's micro-batches at a time; progress.step is the step the window completes
-    windows = optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps, ga)
+    windows = optimizer_step_windows(train_dataloader, progress, steps_per_epoch, total_steps,
+                                     args.gradient_accumulation_steps)
     windows = slice_windows(windows, accelerator)  # feature: sequence parallel
     for window in windows:
         num_items = count_label_tokens(window, accelerator)  # real label tokens in the window, all processes
@@ -223,7 +226,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
         stop = checked.stop_requested  # a stop signal on any rank: every rank saves this step and returns
         if args.eval_steps and step % args.eval_steps == 0 and step < total_steps and not stop:
             with log.untimed():
-                eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+                eval_metrics = evaluate_sources(model, eval_dataloaders, mixture.names, accelerator)
             log.write_eval(step, eval_metrics)
         if stop or saving:
             with log.untimed():
@@ -238,18 +241,32 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     wait_for_checkpoint(extras)  # feature: async checkpoint
     train_runtime = time.perf_counter() - train_start
     # ---- final evaluation and export --------------------------------------------------------------------------------
-    eval_metrics = evaluate_causal_lm(model, eval_dataloader, accelerator)
+    eval_metrics = evaluate_sources(model, eval_dataloaders, mixture.names, accelerator)
     log.write_eval(progress.step, eval_metrics)
     if not exporter(args)(accelerator, model, tokenizer, args.output_dir):
         return DIVERGED_STATUS  # a non-finite weight: nothing exported, the reason printed
     results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
-               "num_parameters": total_params}
+               "num_parameters": total_params, **(tokens.row() | tokens.passes(progress.step))}
     if args.sample_max_new_tokens > 0 and accelerator.is_main_process:
         results["sample"] = generate_sample(args.output_dir, args.sample_prompt, args.sample_max_new_tokens)
     results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
     results.update(sharding_figures(model, accelerator))  # feature: tensor parallel
     log.write_results(results)
     return 0
+
+
+def count_steps(args, accelerator, train_dataloader, mixture):
+    """(optimizer steps per epoch, in all, the training tokens per source as a function of the step)."""
+    processes = accelerator.num_processes // getattr(accelerator.parallelism_config, "tp_size", 1)  # tp: one batch
+    ga = args.gradient_accumulation_steps
+    steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, processes, args.max_steps,
+                                                         args.num_train_epochs, unit="blocks")
+    if args.mixture_stopping == "first_exhausted" and steps_per_epoch:  # the epoch ends before a source repeats
+        total_steps = min(total_steps, steps_per_epoch)
+    drawn = getattr(train_dataloader, "blocks_drawn", None)  # a stream counts what it hands out
+    global_batch = args.per_device_train_batch_size * ga * processes
+    return steps_per_epoch, total_steps, TokensPerSource(accelerator, mixture, args.block_size, global_batch,
+                                                         steps_per_epoch, drawn)
 
 
 def exporter(args):

@@ -270,6 +270,11 @@ FAST = {
                      "test_the_adapter_names_a_local_base_by_its_absolute_path",
                      "test_adapter_inputs_stay_16bit_and_train_the_same_adapter"},
     "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
+    "test_mixture.py": {"test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled",
+                        "test_streaming_shares_are_within_two_percent", "test_a_streamed_mixture_resumes_at_any_batch",
+                        "test_a_bad_mixture_is_one_line_before_any_work",
+                        "test_a_bad_mixture_file_is_one_line_naming_the_source",
+                        "test_a_mixture_file_trains_as_the_flags_do_and_a_source_without_text_is_one_line"},
     "test_faults.py": {"test_a_tokenizer_cache_killed_while_written_is_rebuilt_whole",
                        "test_a_damaged_cache_entry_is_rebuilt_and_said_in_one_line",
                        "test_an_entry_under_another_key_is_rebuilt_and_said_in_one_line",
@@ -307,9 +312,9 @@ SLOWEST_FIRST = ("test_gpu_suite.py", "test_multinode.py", "test_slurm.py", "tes
                  "test_compile.py", "test_bad_inputs.py", "test_memory_estimate.py", "test_pretrain.py",
                  "test_crash_safety.py", "test_lora.py", "test_benchmark.py", "test_finetune_dpo.py",
                  "test_async_checkpoint.py", "test_chunked_loss.py", "test_tensor_parallel.py", "test_lora_engines.py",
-                 "test_resume_guard.py", "test_faults.py", "test_init_parity.py", "test_finetune_classifier.py",
-                 "test_fsdp.py", "test_resumed_rows.py", "test_finetune_grpo.py", "test_activation_memory.py",
-                 "test_streaming.py")
+                 "test_resume_guard.py", "test_mixture.py", "test_faults.py", "test_init_parity.py",
+                 "test_finetune_classifier.py", "test_fsdp.py", "test_resumed_rows.py", "test_finetune_grpo.py",
+                 "test_activation_memory.py", "test_streaming.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -81,16 +81,16 @@ def test_resume_mid_epoch_continues_the_uninterrupted_run(corpus, dropout_config
 
 
 def test_default_run_uses_the_embedded_corpus(tmp_path):
-    """No data flags: the stdlib corpus and a tokenizer trained on it, both cached for the next run."""
+    """No data flags: the stdlib code and docs corpora and a tokenizer trained on both, cached for the next run."""
     args = ["--cache_dir", str(tmp_path / "cache"), "--max_steps", "2", "--max_eval_samples", "4",
             "--sample_max_new_tokens", "4", "--logging_steps", "1"]
     run_script("pretrain_llama.py", "--output_dir", str(tmp_path / "a"), *args)
     cached = sorted(os.listdir(tmp_path / "cache"))
-    assert [c.split("-")[0] for c in cached] == ["stdlib", "tokenizer"]
-    stamp = os.path.getmtime(tmp_path / "cache" / cached[1] / "tokenizer.json")
+    assert [c.rsplit("-", 1)[0] for c in cached] == ["stdlib-corpus", "stdlib-docs", "tokenizer-bpe"]  # code, docs
+    stamp = os.path.getmtime(tmp_path / "cache" / cached[2] / "tokenizer.json")
     proc = run_script("pretrain_llama.py", "--output_dir", str(tmp_path / "b"), *args)
     assert "Training a byte-level BPE tokenizer" not in proc.stderr  # reused, not retrained
-    assert os.path.getmtime(tmp_path / "cache" / cached[1] / "tokenizer.json") == stamp
+    assert os.path.getmtime(tmp_path / "cache" / cached[2] / "tokenizer.json") == stamp
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")  # same seed, same data: same run
 
 

@@ -194,7 +194,8 @@ def test_a_resume_that_would_train_differently_is_refused_with_one_line(capsys, 
     other.write_text('{"text": "another corpus entirely"}\n' * 50)
     assert refused("--train_file", str(other)) == (
         f"the checkpoint was trained on --train_file train.jsonl ({os.path.getsize(corpus['train']):,} bytes), this "
-        f"run has other.jsonl ({os.path.getsize(other):,} bytes)")
+        f"run has other.jsonl ({os.path.getsize(other):,} bytes); to continue a pretraining checkpoint on other data "
+        "(a second stage), add --new_data_mixture")
     assert refused("--block_size", "32") == ("the checkpoint was trained with --block_size 64, this run has "
                                              "--block_size 32")
     assert refused("--seed", "7") == "the checkpoint was trained with --seed 42, this run has --seed 7"

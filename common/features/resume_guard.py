@@ -35,6 +35,9 @@ ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_targe
                  "bnb_4bit_quant_type", "use_bnb_nested_quant")
 # A local model folder's weight files (safetensors, or torch's legacy pickles), fingerprinted for `base_model`.
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+# What a second data stage (--new_data_mixture, scripts/pretrain_llama.py) may change: the data, not how it is cut.
+DATA_STAGE = ("train_file", "validation_file", "dataset_name", "dataset_config_name", "text_column",
+              "max_train_samples", "validation_split_percentage", "steps_per_epoch", "mixture")
 MODEL_SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
 
@@ -75,22 +78,27 @@ class RunRecord:
         self.mixed_precision = accelerator.mixed_precision
         if args.validation_file:  # the split share only counts when validation is cut from train
             self.fields.pop("validation_split_percentage", None)
-        self.tokenizer = None
+        self.tokenizer, self.second_stage = None, getattr(args, "new_data_mixture", False)
         if resume_from:
             check_resume_process_count(accelerator, resume_from)
-            check_run_record(resume_from, self.fields)
+            check_run_record(resume_from, self.checked_fields())
             check_run_length(resume_from, args.max_steps)
             report_new_hyperparameters(resume_from, self.hyperparameters)
             report_new_precision(resume_from, self.mixed_precision)
 
-    def add_data(self, tokenizer, steps_per_epoch: int | None) -> None:
-        """What is known once the data is loaded: the tokenizer (saved with each checkpoint) and the epoch length."""
+    def add_data(self, tokenizer, steps_per_epoch: int | None, **data) -> None:
+        """What is known once the data is loaded: the tokenizer (saved with each checkpoint), the epoch length and
+        what the script adds (pretraining: the mixture)."""
         self.tokenizer = tokenizer
-        self.fields.update(tokenizer=tokenizer_fingerprint(tokenizer), steps_per_epoch=steps_per_epoch)
+        self.fields.update(tokenizer=tokenizer_fingerprint(tokenizer), steps_per_epoch=steps_per_epoch, **data)
 
     def check(self, path: str) -> None:
-        """Before a resume loads `path`: stop with one line at the first field this run contradicts."""
-        check_run_record(path, self.fields)
+        """Before a resume loads `path`: stop with one line at the first field this run contradicts (a second data
+        stage, --new_data_mixture, may change the data: the flags and fields of DATA_STAGE)."""
+        check_run_record(path, self.checked_fields())
+
+    def checked_fields(self) -> dict:
+        return {k: v for k, v in self.fields.items() if not (self.second_stage and k in DATA_STAGE)}
 
     @staticmethod
     def keep(accelerator: Accelerator):
@@ -110,6 +118,8 @@ def file_fingerprint(path: str | None) -> dict | None:
     its data elsewhere), another file almost surely; cheap for any size."""
     if not path:
         return None
+    if isinstance(path, list):  # one file per source of a mixture
+        return [file_fingerprint(p) for p in path] if len(path) > 1 else file_fingerprint(path[0])
     size = os.path.getsize(path)
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -222,8 +232,10 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
     if key == "global_batch":  # length-grouped batches are cut from the order by per-device batch size
         fields = ("sequences", "per_device") if grouped else ("sequences",)
         return any(saved[f] != current[f] for f in fields)
-    if key in ("train_file", "validation_file") and saved and current:
-        return (saved["bytes"], saved["sha256_head_tail"]) != (current["bytes"], current["sha256_head_tail"])
+    if key in ("train_file", "validation_file") and saved and current:  # a mixture's: one per source
+        def content(files):
+            return [(f["bytes"], f["sha256_head_tail"]) for f in (files if isinstance(files, list) else [files])]
+        return content(saved) != content(current)
     if key == "base_model" and saved and current:  # the path may change; a folder and a hub id cannot be compared
         return any(saved.get(k) != current.get(k) for k in ("weights", "weights_xxh3_64", "revision")
                    if saved.get(k) and current.get(k))
@@ -271,8 +283,17 @@ def _difference(key: str, saved, current, path: str, batches: tuple = (None, Non
                 "per-device batch x accumulation x processes equal to the checkpoint's")
     if key in ("train_file", "validation_file"):
         def data(d):
+            if isinstance(d, list):
+                return " ".join(data(one) for one in d)
             return f"{d['name']} ({d['bytes']:,} bytes)" if d else "the default data"
-        return f"the checkpoint was trained on --{key} {data(saved)}, this run has {data(current)}"
+        return (f"the checkpoint was trained on --{key} {data(saved)}, this run has {data(current)}"
+                + ("; to continue a pretraining checkpoint on other data (a second stage), add --new_data_mixture"
+                   if key == "train_file" else ""))
+    if key == "mixture":
+        def sources(m):
+            return ", ".join(f"{s['source']} {s['weight']}" for s in m) + f" ({m[0]['stopping']})"
+        return (f"the checkpoint was trained on the mixture {sources(saved)}, this run has {sources(current)}; to "
+                "continue it with another mixture (a second stage), add --new_data_mixture")
     if key == "tokenizer":
         return (f"this run's tokenizer differs from the one the checkpoint was trained with (saved in "
                 f"{os.path.join(path, TOKENIZER_DIR)})")

@@ -25,13 +25,14 @@ from collections.abc import Iterator
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from datasets import Dataset, IterableDataset, IterableDatasetDict, load_dataset
+from datasets import Dataset, IterableDataset, IterableDatasetDict, interleave_datasets, load_dataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
 from common.inputs.data import block_packer, build_default_corpus, data_format, document_tokenizer, get_tokenizer
+from common.inputs.mixture import Mixture, Source, resolve_default, share_counts, source_args
 from common.accumulation import accumulation_windows
 from common.errors import fail
 
@@ -101,14 +102,29 @@ def process_share(train: IterableDataset, rank: int, world_size: int) -> Iterabl
     return train.filter(lambda _, index: index % world_size == rank, with_indices=True)
 
 
-def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, train: IterableDataset,
-                     resume_from: str | None) -> PreTrainedTokenizerBase:
-    """--tokenizer_name / the model's tokenizer; else a BPE tokenizer trained on the stream's first documents."""
+def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, sources: list[Source],
+                     trains: list[IterableDataset], resume_from: str | None) -> PreTrainedTokenizerBase:
+    """--tokenizer_name / the model's tokenizer; else a BPE tokenizer trained on the streams' first documents (of a
+    mixture, as many of each source's as its weight's share)."""
     if args.tokenizer_name or args.model_name_or_path:
         return get_tokenizer(args, accelerator, {}, resume_from)
-    texts = [row[args.text_column] for row in train.take(TOKENIZER_SAMPLE_DOCUMENTS)]
+    counts = share_counts([s.weight for s in sources], TOKENIZER_SAMPLE_DOCUMENTS)
+    texts = [row[s.text_column] for s, train, n in zip(sources, trains, counts) for row in train.take(int(n))]
     return get_tokenizer(args, accelerator, {"train": Dataset.from_dict({args.text_column: texts})}, resume_from,
                          args.tokenizer_vocab_size)
+
+
+def mix_streams(blocks: list[IterableDataset], mixture: Mixture) -> IterableDataset:
+    """The sources' packed blocks interleaved (`datasets.interleave_datasets`): each block drawn from a source with
+    its weight as probability (a share of blocks is a share of tokens), a `source` column saying which; a source that
+    runs out is restarted (a new pass)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    blocks = [b.map(lambda batch, k=k: {"source": [k] * len(batch["input_ids"])}, batched=True)
+              for k, b in enumerate(blocks)]
+    blocks = [b.repeat(None) for b in blocks]  # a source that runs out starts a new pass (never first_exhausted)
+    weights = [s.weight / sum(s.weight for s in mixture.sources) for s in mixture.sources]
+    return interleave_datasets(blocks, probabilities=weights, seed=mixture.seed, stopping_strategy="first_exhausted")
 
 
 class StreamingLoader:
@@ -119,19 +135,30 @@ class StreamingLoader:
     passes; the checkpoint hooks save and restore it together with the loader's state.
     """
 
-    def __init__(self, accelerator: Accelerator, loader: StatefulDataLoader) -> None:
+    def __init__(self, accelerator: Accelerator, loader: StatefulDataLoader, sources: int = 1,
+                 new_stage: bool = False) -> None:
         # Already this process's share: prepared as one process (device placement only, no second split).
         self.loader = prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
                                           put_on_device=True, dispatch_batches=False, use_stateful_dataloader=True)
         self.batch_size, self.epoch = loader.batch_size, 0
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.accelerator, self.new_stage = accelerator, new_stage  # a new stage starts its stream afresh
+        self.drawn = torch.zeros(sources, dtype=torch.long, device=accelerator.device)  # blocks per source handed out
         accelerator.register_save_state_pre_hook(self._save)
         accelerator.register_load_state_pre_hook(self._load)
 
     def __iter__(self) -> Iterator[dict]:
         """One pass (the rest of it, after a resume); `epoch` advances when it ends."""
-        yield from self.loader
+        for batch in self.loader:
+            source = batch.pop("source", None)  # a mixture's: which source each block is from
+            self.drawn += torch.bincount(source, minlength=len(self.drawn)) if source is not None else len(
+                batch["input_ids"])
+            yield batch
         self.epoch += 1
+
+    def blocks_drawn(self):
+        """Blocks handed out per source since the data stage began, over all processes (collective)."""
+        return self.accelerator.reduce(self.drawn.clone(), "sum").cpu().numpy()
 
     def step_windows(self, progress, total_steps: int, accumulation_steps: int) -> Iterator[list[dict]]:
         """`common.steps.optimizer_step_windows` for the stream: each iteration is one pass (the rest of one, after a
@@ -155,11 +182,14 @@ class StreamingLoader:
         return os.path.join(checkpoint_dir, f"stream_position_rank{self.rank}.json")
 
     def _save(self, models, weights, checkpoint_dir: str) -> None:
-        state = {"epoch": self.epoch, "world_size": self.world_size, "loader": self.loader.state_dict()}
+        state = {"epoch": self.epoch, "world_size": self.world_size, "loader": self.loader.state_dict(),
+                 "drawn": self.drawn.tolist()}
         with open(self._path(checkpoint_dir), "w") as f:
             json.dump(state, f)
 
     def _load(self, models, checkpoint_dir: str) -> None:
+        if self.new_stage:  # another mixture's position means nothing to this one: its stream starts at the start
+            return
         path = self._path(checkpoint_dir)
         if not os.path.isfile(path):
             fail(f"{checkpoint_dir} holds no stream position for process {self.rank}: resume a --streaming run "
@@ -174,29 +204,38 @@ class StreamingLoader:
         # accelerate's loader sets the stream's epoch from its own pass count when iterated, and `datasets` restores a
         # position only in the epoch it was saved in: a fresh count (0) would replay a later pass from its start.
         self.loader.set_epoch(self.epoch)
+        self.drawn.copy_(torch.tensor(state.get("drawn", [0] * len(self.drawn))))
         if not finished:
             self.loader.load_state_dict(state["loader"])
 
 
-def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resume_from: str | None
-                        ) -> tuple[PreTrainedTokenizerBase, StreamingLoader, DataLoader]:
-    """(tokenizer, this process's training stream, eval dataloader over the held-out blocks kept in memory)."""
-    train, validation = load_streams(args)
-    tokenizer = stream_tokenizer(args, accelerator, train, resume_from)
-    eval_blocks = list(packed_blocks(validation, args, tokenizer, args.block_size))
-    if not eval_blocks:
-        fail(f"the held-out documents hold fewer than --block_size={args.block_size} tokens; use more data, a "
-             "larger --max_eval_samples or a smaller --block_size")
-    share = process_share(train, accelerator.process_index, accelerator.num_processes)
+def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resume_from: str | None,
+                        sources: list[Source]) -> tuple[PreTrainedTokenizerBase, StreamingLoader, list, Mixture]:
+    """The streaming stages: sources -> tokenizer -> each source packed on the fly -> the mixture. Returns (tokenizer,
+    this process's training stream, an eval dataloader per source over its held-out blocks kept in memory, mixture)."""
+    sources = resolve_default(sources, args.cache_dir)
+    per_source = [source_args(args, s) for s in sources]
+    streams = [load_streams(a) for a in per_source]
+    tokenizer = stream_tokenizer(args, accelerator, sources, [train for train, _ in streams], resume_from)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
+    eval_loaders = []
+    for source, a, (_, validation) in zip(sources, per_source, streams):
+        eval_blocks = list(packed_blocks(validation, a, tokenizer, args.block_size))
+        if not eval_blocks:
+            fail(f"source '{source.name}': the held-out documents hold fewer than --block_size={args.block_size} "
+                 "tokens; use more data, a larger --max_eval_samples or a smaller --block_size")
+        eval_loaders.append(DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs))
+    mixture = Mixture(sources, None, args.mixture_stopping, args.seed)
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    blocks = mix_streams([packed_blocks(process_share(train, rank, world_size), a, tokenizer, args.block_size)
+                          for a, (train, _) in zip(per_source, streams)], mixture)
     # Its own generator: a new iterator then draws its seed from it, not from the global RNG that dropout uses (a
     # resumed run creates one after the checkpoint's RNG is restored; from that RNG, every later mask would change).
     train_loader = StreamingLoader(accelerator, StatefulDataLoader(
-        packed_blocks(share, args, tokenizer, args.block_size), batch_size=args.per_device_train_batch_size,
-        generator=torch.Generator(), **loader_kwargs))
-    eval_loader = DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs)
-    return tokenizer, train_loader, eval_loader
+        blocks, batch_size=args.per_device_train_batch_size, generator=torch.Generator(), **loader_kwargs),
+        len(sources), args.new_data_mixture)
+    return tokenizer, train_loader, eval_loaders, mixture
 
 
 def add_streaming_args(parser: argparse.ArgumentParser) -> None:
@@ -208,3 +247,6 @@ def add_streaming_args(parser: argparse.ArgumentParser) -> None:
 def check_streaming_flags(args: argparse.Namespace) -> None:
     if args.streaming and args.max_steps <= 0:
         fail("--streaming needs --max_steps: a stream has no length to count epochs in")
+    if args.streaming and getattr(args, "mixture_stopping", None) == "first_exhausted":  # processes would end apart
+        fail("--mixture_stopping first_exhausted needs the map-style path: each process's stream would run out at "
+             "another step; with --streaming the run ends at --max_steps (sources repeat)")

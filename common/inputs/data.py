@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import hashlib
 import json
@@ -30,6 +31,7 @@ logger = get_logger(__name__)
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<pad>"
 DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 DEFAULT_CORPUS_MAX_BYTES = 6_000_000
+DEFAULT_DOCS_MAX_BYTES = 6_000_000  # the whole library's docstrings are less
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
 
 
@@ -69,35 +71,63 @@ def holds_only_whitespace(path: str) -> bool:
 
 
 def build_default_corpus(cache_dir: str, max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> dict[str, str]:
-    """The embedded default corpus: this Python's own standard library sources and its pydoc documentation.
+    """The embedded default corpus: this Python's own standard library sources.
 
     Present on every machine that has Python, so the default run needs no download. One JSON row per file;
     one file in twenty of the whole library (chosen by a hash of its path, so stable across machines) is held out for
     validation, while the training files stop at `max_bytes`: with Python 3.11, 33 of the 313 files (10.5 %).
     """
+    return build_stdlib_corpus(cache_dir, max_bytes, "stdlib-corpus", "the default corpus", read_text)
+
+
+def build_default_docs_corpus(cache_dir: str, max_bytes: int = DEFAULT_DOCS_MAX_BYTES) -> dict[str, str]:
+    """The default mixture's second source: the standard library's documentation as pydoc shows it (each public
+    module's, class's and function's docstring under its name), read with `ast` (nothing is imported). One row per
+    module; the same files as the code corpus are held out."""
+    return build_stdlib_corpus(cache_dir, max_bytes, "stdlib-docs", "the default documentation corpus", docstrings)
+
+
+def build_stdlib_corpus(cache_dir: str, max_bytes: int, prefix: str, what: str, read) -> dict[str, str]:
     stdlib = sysconfig.get_paths()["stdlib"]
     paths = []
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
         paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
-    key = f"{stdlib}|{len(paths)}|{max_bytes}"
-    out_dir = cached_folder(os.path.join(cache_dir, f"stdlib-corpus-{hashlib.sha256(key.encode()).hexdigest()[:12]}"),
-                            partial(write_default_corpus, stdlib, paths, max_bytes), "the default corpus", key)
+    key = f"{stdlib}|{len(paths)}|{max_bytes}" + ("" if read is read_text else f"|{prefix}")
+    out_dir = cached_folder(os.path.join(cache_dir, f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"),
+                            partial(write_default_corpus, stdlib, paths, max_bytes, read), what, key)
     return {split: os.path.join(out_dir, f"{split}.jsonl") for split in ("train", "validation")}
 
 
-def write_default_corpus(stdlib: str, paths: list[str], max_bytes: int, folder: str) -> None:
+def read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def docstrings(path: str) -> str:
+    """A module's documentation as pydoc's plain text shows it: each public docstring under its name."""
+    tree = ast.parse(read_text(path))
+    parts = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = getattr(node, "name", os.path.splitext(os.path.basename(path))[0])
+            doc = ast.get_docstring(node)
+            if doc and (not name.startswith("_") or name == "__init__"):
+                parts.append(f"{name}\n    " + doc.replace("\n", "\n    "))
+    return "\n\n".join(parts)
+
+
+def write_default_corpus(stdlib: str, paths: list[str], max_bytes: int, read, folder: str) -> None:
     rows = {"train": [], "validation": []}
     size = 0
     for path in paths:
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (UnicodeDecodeError, OSError):
+            text = read(path)
+        except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
             continue
         rel = os.path.relpath(path, stdlib)
         split = "validation" if int(hashlib.md5(rel.encode()).hexdigest(), 16) % 20 == 0 else "train"
-        if split == "train" and size >= max_bytes:
+        if not text or (split == "train" and size >= max_bytes):
             continue
         size += len(text) if split == "train" else 0
         rows[split].append(json.dumps({"text": text, "source": rel}))
