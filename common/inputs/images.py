@@ -31,7 +31,7 @@ def as_messages(row: dict, columns: argparse.Namespace) -> tuple[list[dict] | No
     """A row as chat turns, and how many of them are the prompt (no loss on those): `messages`, or the prompt's
     turns followed by the completion's. A plain-text prompt becomes a user turn with the row's images first (as TRL
     does); a plain-text completion an assistant turn."""
-    if columns.messages_column in row:
+    if row.get(columns.messages_column) is not None:
         return row[columns.messages_column], 0
     prompt, completion = row.get(columns.prompt_column), row.get(columns.completion_column)
     if prompt is None or completion is None:
