@@ -40,8 +40,9 @@ from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs import from_pretrained_or_fail
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, load_raw_datasets
-from common.inputs.images import (ImageTextCollator, as_messages, check_processor, evaluate_image_text, image_problem,
-                                  row_cutting_an_image, sample_answer, tokenize_image_rows, vision_token_ids)
+from common.inputs.images import (ImageTextCollator, as_messages, check_processor, check_takes_images,
+                                  evaluate_image_text, image_problem, row_cutting_an_image, sample_answer,
+                                  tokenize_image_rows, vision_token_ids)
 from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags, count_parameters,
                                     enable_gradient_checkpointing, load_finetuning_config)
 from common.inputs.responses import check_template_renders, render_chat, rows_of
@@ -115,9 +116,10 @@ def main() -> None:
             os.path.join(PRETRAINED_LANGUAGE_MODEL, "config.json")) else None
         args.model_name_or_path = build_tiny_vlm(args.cache_dir, language_model)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
+    check_takes_images(config)
     processor = from_pretrained_or_fail(AutoProcessor.from_pretrained, args.tokenizer_name or args.model_name_or_path,
                                         "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path")
-    check_processor(processor, config)
+    check_processor(processor)
     if args.use_peft and args.lora_target_modules == ["all-linear"]:  # feature: lora
         args.lora_target_modules = language_model_linears(config)  # the language model's, not the vision tower's
     if args.use_peft:  # feature: lora
@@ -153,10 +155,10 @@ def data_folders(args) -> dict[str, str]:
 
 def find_unusable_row(raw, args) -> tuple[str, int, str] | None:
     """The first row (split, index, problem) that cannot give an example (common/inputs/images.py:image_problem)."""
-    wanted = (args.messages_column,) if args.messages_column in raw["train"].column_names else \
-        (args.prompt_column, args.completion_column)
-    columns = [c for c in (*wanted, args.images_column, "image") if c in raw["train"].column_names]
-    if not set(wanted) <= set(columns):
+    names = raw["train"].column_names
+    columns = [c for c in (args.messages_column, args.prompt_column, args.completion_column, args.images_column,
+                           "image") if c in names]
+    if args.messages_column not in names and not {args.prompt_column, args.completion_column} <= set(names):
         fail(f"the train split has neither a '{args.messages_column}' column nor '{args.prompt_column}' and "
              f"'{args.completion_column}' (columns: {', '.join(raw['train'].column_names)})")
     folders = data_folders(args)

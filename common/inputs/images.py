@@ -92,11 +92,14 @@ def image_problem(row: dict, columns: argparse.Namespace, folder: str) -> str | 
     return None
 
 
-def check_processor(processor, config) -> None:
-    """The model takes images and its processor's image token is one token of its tokenizer."""
+def check_takes_images(config) -> None:
     if getattr(config, "vision_config", None) is None:
         fail(f"the model ({config.model_type}) takes no images: give a vision-language model "
              "(AutoModelForImageTextToText), or use scripts/finetune_causal_lm.py for text")
+
+
+def check_processor(processor) -> None:
+    """A vision-language processor whose image token is one token of its tokenizer."""
     token = getattr(processor, "image_token", None)
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is None or getattr(processor, "image_processor", None) is None:
