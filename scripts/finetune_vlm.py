@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedDataParallelKwargs
 from datasets import Image, List
 from torch.utils.data import DataLoader
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -234,6 +235,8 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     ga = args.gradient_accumulation_steps
     data, vision_ids = load_image_text_data(args, accelerator, processor, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, processor, data, vision_ids)
+    if not all(data["train"]["images"]):  # a batch without images leaves the vision tower out of its backward
+        accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
     dp = accelerator.num_processes
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, dp, args.max_steps,
                                                          args.num_train_epochs)
