@@ -306,20 +306,26 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     log.write_eval(progress.step, eval_metrics)
     if not exporter(args)(accelerator, model, processor, args.output_dir):
         return DIVERGED_STATUS
-    images_per_row = sum(map(len, data["train"]["images"])) / len(data["train"])
     rows_seen = (progress.step - start_step) * args.per_device_train_batch_size * ga * dp
     results = {**eval_metrics, "train_steps": progress.step, "train_runtime": train_runtime,
-               "images_per_second": images_per_row * rows_seen / max(train_runtime, 1e-9),
                "padding_fraction": log.padding_fraction, "num_parameters": total_params,
-               "trainable_parameters": trainable, "train_examples": len(data["train"])}
-    if before is not None:
-        results["eval_accuracy_before"] = before["eval_accuracy"]
-        logger.info(f"held-out answer accuracy: {before['eval_accuracy']:.3f} before, "
-                    f"{eval_metrics['eval_accuracy']:.3f} after training", main_process_only=True)
+               "trainable_parameters": trainable, "train_examples": len(data["train"]),
+               **accuracy_and_image_rate(data, before, eval_metrics, rows_seen, train_runtime)}
     results.update(compile_counts() if args.torch_compile else {})  # feature: torch compile
     log.write_results(results)
     show_sample_answer(args, accelerator)
     return 0
+
+
+def accuracy_and_image_rate(data, before: dict | None, after: dict, rows_seen: int, seconds: float) -> dict:
+    """Images per second of training (the rows' mean image count), and the held-out accuracy before training."""
+    images_per_row = sum(map(len, data["train"]["images"])) / len(data["train"])
+    figures = {"images_per_second": images_per_row * rows_seen / max(seconds, 1e-9)}
+    if before is not None:  # a resumed run did not see the model before training
+        figures["eval_accuracy_before"] = before["eval_accuracy"]
+        logger.info(f"held-out answer accuracy: {before['eval_accuracy']:.3f} before, {after['eval_accuracy']:.3f} "
+                    "after training")
+    return figures
 
 
 def build_model(args, config, accelerator):

@@ -259,6 +259,8 @@ FAST = {
                               "test_the_default_rewards_and_a_misused_reward_are_one_line",
                               "test_bad_flags_are_one_line_before_any_work",
                               "test_bad_prompts_are_one_line_naming_the_row"},
+    "test_finetune_vlm.py": {"test_exactly_the_assistant_tokens_carry_labels",
+                             "test_accumulation_equals_one_batch_in_process_for_qwen2_vl"},
     "test_finetune_causal_lm.py": {"test_prompt_tokens_are_masked_and_eos_is_learned",
                                    "test_chat_template_trains_on_assistant_turns_only"},
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base",
