@@ -87,7 +87,7 @@ def build_tiny_vlm(cache_dir: str, language_model: str | None) -> str:
     `AutoModelForImageTextToText` / `AutoProcessor`. The language model (and its tokenizer) is `language_model` when
     that folder holds one (the README pipeline's pretrained tiny Llama), else a fresh one with a tokenizer trained on
     the task's text."""
-    key = "tiny-llava|v1|" + (model_fingerprint(language_model) if language_model else "fresh")
+    key = "tiny-llava|v2|" + (model_fingerprint(language_model) if language_model else "fresh")
     out_dir = os.path.join(cache_dir, "tiny-vlm-" + hashlib.sha256(key.encode()).hexdigest()[:12])
     return cached_folder(out_dir, partial(write_tiny_vlm, cache_dir, language_model), "the default tiny VLM", key)
 
@@ -138,5 +138,7 @@ def write_tiny_vlm(cache_dir: str, language_model: str | None, out_dir: str) -> 
         text_model.resize_token_embeddings(len(tokenizer))
         model.model.language_model.load_state_dict(text_model.model.state_dict())
         model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    # generation stops at the end of the assistant's turn, as the chat template writes it
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(TURN_END)]
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
