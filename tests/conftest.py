@@ -299,7 +299,8 @@ def pytest_configure(config) -> None:
 SLOWEST_FIRST = ("test_gpu_suite.py", "test_multinode.py", "test_slurm.py", "test_preemption.py", "test_distributed.py",
                  "test_compile.py", "test_bad_inputs.py", "test_memory_estimate.py", "test_pretrain.py",
                  "test_crash_safety.py", "test_lora.py", "test_benchmark.py", "test_finetune_dpo.py",
-                 "test_finetune_vlm.py", "test_async_checkpoint.py", "test_chunked_loss.py", "test_tensor_parallel.py", "test_lora_engines.py",
+                 "test_finetune_vlm.py", "test_async_checkpoint.py", "test_chunked_loss.py", "test_tensor_parallel.py",
+                 "test_lora_engines.py",
                  "test_resume_guard.py", "test_faults.py", "test_init_parity.py", "test_finetune_classifier.py",
                  "test_fsdp.py", "test_resumed_rows.py", "test_finetune_grpo.py", "test_activation_memory.py",
                  "test_streaming.py")
