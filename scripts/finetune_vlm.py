@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prompt_column", default="prompt", help="Prompt (text or turns) of prompt/completion rows.")
     g.add_argument("--completion_column", default="completion", help="Completion of prompt/completion rows.")
     g.add_argument("--images_column", default="images", help="The row's images (paths, bytes or Image features).")
+    g.add_argument("--chat_template", help="A Jinja chat template file, for a processor that has none.")
     g.add_argument("--freeze_vision_tower", action="store_true",
                    help="Do not train the vision encoder (its projector still trains unless --freeze_projector).")
     g.add_argument("--freeze_projector", action="store_true",
@@ -99,11 +100,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.model_name_or_path is None and not (args.train_file or args.dataset_name):
         args.model_name_or_path = ""  # the embedded default: the tiny VLM is built once the cache is known
-    check_finetuning_flags(args) if args.model_name_or_path != "" else check_common_flags(args)
+    if args.model_name_or_path == "":
+        check_common_flags(args)
+    else:
+        check_finetuning_flags(args)
     check_data_files(args.train_file, args.validation_file)
     check_divergence_flags(args)  # feature: divergence guard
     check_compile_flags(args)  # feature: torch compile
     check_peft_flags(args)  # feature: lora
+    if args.chat_template and not os.path.isfile(args.chat_template):
+        fail(f"--chat_template {args.chat_template}: no such file")
     if args.freeze_embeddings or args.freeze_layers:
         fail("--freeze_embeddings/--freeze_layers are for text models here; use --freeze_vision_tower, "
              "--freeze_projector or --use_peft")
@@ -121,6 +127,11 @@ def main() -> None:
     processor = from_pretrained_or_fail(AutoProcessor.from_pretrained, args.tokenizer_name or args.model_name_or_path,
                                         "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path")
     check_processor(processor)
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            processor.chat_template = f.read()
+    if not processor.chat_template:
+        fail("the processor has no chat template: pass --chat_template FILE")
     if args.use_peft and args.lora_target_modules == ["all-linear"]:  # feature: lora
         args.lora_target_modules = language_model_linears(config)  # the language model's, not the vision tower's
     if args.use_peft:  # feature: lora

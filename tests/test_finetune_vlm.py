@@ -228,6 +228,31 @@ def test_accumulation_equals_one_batch_in_process_for_qwen2_vl(vlm):
         assert (one[name] - four[name]).norm() <= 1e-5 * one[name].norm() + 1e-12, name
 
 
+@pytest.mark.parametrize("architecture", ["llava", "qwen"])
+def test_the_freezing_flags_and_lora_targets_find_each_part(vlm, architecture):
+    """--freeze_vision_tower stops the encoder (not Qwen-VL's merger inside it), --freeze_projector the projector;
+    LoRA's default targets are the language model's linear layers, every one of them, nothing else."""
+    import copy
+
+    from torch import nn
+
+    from common.inputs.vision_models import freeze_vision_parts, language_model_linears
+
+    model = vlm[f"{architecture}_model"]
+    tower, projector = ("model.vision_tower.", "model.multi_modal_projector.") if architecture == "llava" else \
+        ("model.visual.", "model.visual.merger.")
+    for flags, frozen in (((True, False), lambda n: n.startswith(tower) and not n.startswith(projector)),
+                          ((False, True), lambda n: n.startswith(projector)),
+                          ((True, True), lambda n: n.startswith(tower) or n.startswith(projector))):
+        part = copy.deepcopy(model)
+        freeze_vision_parts(part, *flags)
+        assert {n for n, p in part.named_parameters() if not p.requires_grad} == \
+            {n for n, _ in part.named_parameters() if frozen(n)}, flags
+    targets = language_model_linears(model.config)
+    assert targets == [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                       and n.startswith("model.language_model.")] and targets
+
+
 def finetune(vlm: dict, out: str, *args: str, model: str = "llava", launcher: list[str] | None = None) -> str:
     run_script("finetune_vlm.py", "--model_name_or_path", vlm[model], "--train_file", vlm["train"],
                "--validation_file", vlm["validation"], "--output_dir", out, "--max_steps", "2", "--learning_rate", LR,
