@@ -263,8 +263,8 @@ def sample_answer(folder: str, row: dict, columns: argparse.Namespace, data_fold
     with torch.no_grad():
         generated = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    question = " ".join(part.get("text", "") for turn in prompt if isinstance(turn["content"], list)
+    question = " ".join(part.get("text") or "" for turn in prompt if isinstance(turn["content"], list)
                         for part in turn["content"]) or str(prompt[-1]["content"])
     reference = messages[last_answer if not prompt_turns else prompt_turns]["content"]
-    reference = reference if isinstance(reference, str) else " ".join(p.get("text", "") for p in reference)
+    reference = reference if isinstance(reference, str) else " ".join(p.get("text") or "" for p in reference)
     return question.strip(), answer.strip(), reference.strip()
