@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from datasets import Image, List
 from torch.utils.data import DataLoader
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -48,7 +48,7 @@ from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags,
                                     enable_gradient_checkpointing, load_finetuning_config)
 from common.inputs.responses import check_template_renders, render_chat, rows_of
 from common.inputs.shapes import build_shapes_task, build_tiny_vlm
-from common.inputs.vision_models import freeze_vision_parts, language_model_linears
+from common.inputs.vision_models import fill_deepspeed_sizes, freeze_vision_parts, language_model_linears
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -256,6 +256,7 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     model = build_model(args, config, accelerator)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
+    fill_deepspeed_sizes(accelerator, config)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     check_loss_honours_num_items(model, accelerator)
@@ -361,6 +362,9 @@ def build_model(args, config, accelerator):
 def show_sample_answer(args, accelerator) -> None:
     """The export, reloaded with the Auto classes, answers the first held-out row (the main process only)."""
     if not accelerator.is_main_process:
+        return
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # the reload hung there (docs/vlm.md)
+        logger.info("no sample answer under DeepSpeed: load the export in a new process")
         return
     folder = args.output_dir
     if args.use_peft:  # feature: lora

@@ -252,8 +252,11 @@ def sample_answer(folder: str, row: dict, columns: argparse.Namespace, data_fold
     held-out row's prompt turns."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from common.inputs.modeling import outside_zero3
+
     processor = AutoProcessor.from_pretrained(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with outside_zero3():  # loaded whole by this process alone, not partitioned with the others (ZeRO-3)
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     messages, prompt_turns = as_messages(row, columns)
     last_answer = max(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
     prompt = messages[:prompt_turns or last_answer]

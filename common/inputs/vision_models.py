@@ -49,3 +49,16 @@ def language_model_linears(config) -> list[str]:
         fail(f"--use_peft: no module of {type(model).__name__} is named {' or '.join(LANGUAGE_MODELS)}; name the "
              "language model's layers with --lora_target_modules")
     return [f"{part[0]}.{name}" for name, module in part[1].named_modules() if isinstance(module, nn.Linear)]
+
+
+def fill_deepspeed_sizes(accelerator, config) -> None:
+    """DeepSpeed's `auto` bucket sizes from the language model's width, as accelerate computes them from
+    `config.hidden_size`, which a VLM's config lacks (its text config has it): accelerate 1.15 stops without them."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or hasattr(config, "hidden_size"):
+        return
+    hidden = config.get_text_config().hidden_size
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    sizes = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+             "stage3_param_persistence_threshold": 10 * hidden}
+    zero.update({key: value for key, value in sizes.items() if zero.get(key) == "auto"})
