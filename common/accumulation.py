@@ -71,7 +71,7 @@ def check_loss_honours_num_items(model, accelerator: Accelerator, router_aux_los
     if accelerator.gradient_accumulation_steps * accelerator.num_processes == 1:
         return
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
-    ids = (torch.arange(1, 9, device=accelerator.device) % module.config.vocab_size).unsqueeze(0)
+    ids = (torch.arange(1, 9, device=accelerator.device) % module.config.get_text_config().vocab_size).unsqueeze(0)
     was_training = module.training
     module.eval()  # no dropout: both forwards see the same model
     shares = []

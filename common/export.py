@@ -84,7 +84,7 @@ def use_tokenizer_special_tokens(model, tokenizer) -> None:
     that holds the tokenizer's (chat models stop at several tokens) is kept.
     """
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(tokenizer, name)
+        value = getattr(getattr(tokenizer, "tokenizer", tokenizer), name)  # a processor: its tokenizer's
         if value is None:
             continue
         for config in (model.config, getattr(model, "generation_config", None)):

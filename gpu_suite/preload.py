@@ -21,7 +21,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = [os.path.join(ROOT, "scripts", f"{name}.py") for name in
            ("pretrain_llama", "finetune_causal_lm", "finetune_classifier", "finetune_dpo",
-            "finetune_grpo")]
+            "finetune_grpo", "finetune_vlm")]
 
 
 def import_statements(path: str) -> ast.Module:

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {"pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py", "finetune_dpo.py",
-           "finetune_grpo.py"}
+           "finetune_grpo.py", "finetune_vlm.py"}
 TOOL_PACKAGES = ("benchmarks", "tools", "gpu_suite")
 FOLDERS = ("common", "scripts") + TOOL_PACKAGES
 SOURCES = sorted(path for folder in FOLDERS for path in (ROOT / folder).rglob("*.py"))
@@ -106,7 +106,7 @@ def test_no_function_is_longer_than_a_screenful_or_two():
 
 
 COMMAND_LINES = ("scripts/pretrain_llama.py", "scripts/finetune_causal_lm.py", "scripts/finetune_classifier.py",
-                 "scripts/finetune_dpo.py", "scripts/finetune_grpo.py",
+                 "scripts/finetune_dpo.py", "scripts/finetune_grpo.py", "scripts/finetune_vlm.py",
                  "benchmarks/benchmark.py", "benchmarks/plain_loop.py", "benchmarks/profile_step.py",
                  "tools/estimate_memory.py", "gpu_suite/cli.py")
 

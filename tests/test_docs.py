@@ -16,7 +16,7 @@ PAGES = [README, *DOCS]
 # Top-level folders whose paths the docs mention; each mentioned path must exist in the checkout.
 FOLDERS = ("scripts", "common", "accelerate_configs", "ds_configs", "benchmarks", "tools", "gpu_suite", "tests", "docs")
 RECIPES = {"pretrain_llama.py", "finetune_causal_lm.py", "finetune_classifier.py", "finetune_dpo.py",
-           "finetune_grpo.py"}
+           "finetune_grpo.py", "finetune_vlm.py"}
 QUICK_START_CONFIG = "accelerate_configs/default.yaml"  # every launcher value given: no notice
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 INLINE = re.compile(r"(`+)(.+?)\1")

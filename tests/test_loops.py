@@ -11,7 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ("pretrain_llama", "finetune_causal_lm", "finetune_classifier", "finetune_dpo", "finetune_grpo")
+RECIPES = ("pretrain_llama", "finetune_causal_lm", "finetune_classifier", "finetune_dpo", "finetune_grpo",
+           "finetune_vlm")
 # A statement mentioning one of these is a loss line: how a recipe turns a batch into its loss may differ. GRPO's
 # rollouts (sample, score, advantages) make the window's batches: they belong to how it gets its loss.
 LOSS_MARKERS = ("num_items", "outputs", "backward_loss", "window_loss +=", "loss = model(", "rollouts.window(")

@@ -155,7 +155,7 @@ def load_finetuning_config(args: argparse.Namespace) -> PretrainedConfig:
     """The pretrained model's config, checked against the fine-tuning flags (layers to freeze, sequence length)."""
     config = from_pretrained_or_fail(AutoConfig.from_pretrained, args.model_name_or_path, "--model_name_or_path")
     check_model_folder(args)
-    if args.freeze_layers > config.num_hidden_layers:
+    if args.freeze_layers and args.freeze_layers > config.num_hidden_layers:
         fail(f"--freeze_layers {args.freeze_layers}: the model has {config.num_hidden_layers} layers")
     max_positions = getattr(config, "max_position_embeddings", None)
     if args.max_seq_length and max_positions and args.max_seq_length > max_positions:

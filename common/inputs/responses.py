@@ -40,9 +40,10 @@ def rows_of(raw, columns: list[str], args: argparse.Namespace):
                 yield split, start + offset, values
 
 
-def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
+def chat_problem(messages, column: str, responses_from: int = 0, text_only: bool = True) -> str | None:
     """What makes a row's chat turns untrainable, or None: an unknown role, no assistant turn, or an assistant turn
-    from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is."""
+    from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is; a part
+    that is not text too, unless the model takes it (`text_only=False`: a vision-language model's images)."""
     if isinstance(messages, str):
         return f"holds plain text in '{column}', where chat turns are expected"
     if not messages:
@@ -53,12 +54,12 @@ def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
             return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
         content = message.get("content")
         if isinstance(content, list):
-            other = next((part for part in content if not is_text_part(part)), None)
+            other = next((part for part in content if text_only and not is_text_part(part)), None)
             if other is not None:
                 kind = f"a part of type {other.get('type')!r}" if isinstance(other, dict) else f"a part {other!r}"
                 return (f"has {kind} in turn {number} of '{column}': the recipes train text-only models, which take "
                         'text parts only ({"type": "text", "text": ...})')
-            content = joined_text(content)
+            content = joined_text(content) if text_only else content
         elif content is not None and not isinstance(content, str):
             return f"has content {content!r} in turn {number} of '{column}': give text or a list of text parts"
         if role == "assistant" and number > responses_from and not message.get("tool_calls") and \
@@ -144,13 +145,14 @@ def text_problem(row: dict, response_column: str) -> str | None:
     return None
 
 
-def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as the chat template writes it, and the character spans of the assistant turns.
+def render_chat(tokenizer, messages: list[dict], join_parts: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template writes it, and the character spans of the assistant turns; text parts
+    joined (`join_parts`), or left to the template (a processor's template places its images among them).
 
     A turn's span runs from the end of the conversation rendered up to it (with the generation prompt, e.g.
     `<|im_start|>assistant\\n`) to the end of the conversation rendered through it (its end-of-turn token included).
     """
-    row, messages = (messages,), with_parts_joined(messages)
+    row, messages = (messages,), with_parts_joined(messages) if join_parts else messages
     text = apply_template(tokenizer, messages, row)
     spans = []
     for i, message in enumerate(messages):
