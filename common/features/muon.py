@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 from torch import nn
@@ -59,6 +60,11 @@ def check_muon_flags(args: argparse.Namespace) -> None:
         fail(f"--muon_ns_steps must be between 1 and 99 (got {args.muon_ns_steps})")
     if args.muon_learning_rate is not None and args.muon_learning_rate <= 0:
         fail(f"--muon_learning_rate must be > 0 (got {args.muon_learning_rate})")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
+            args.muon_adjust_lr_fn != "original" or not args.muon_nesterov or args.muon_ns_steps != 5):
+        fail("--optim muon under DeepSpeed: DeepSpeed's ZeRO Muon scales each update by sqrt(max(1, rows/cols)) "
+             "with Nesterov momentum and 5 Newton-Schulz steps built in; pass --muon_adjust_lr_fn original (with a "
+             "larger --muon_learning_rate, ~0.02) and keep --muon_nesterov true, --muon_ns_steps 5")
     if getattr(args, "use_peft", False):
         fail("--optim muon with --use_peft: Muon is for a pretraining run's hidden matrices, not for LoRA's low-rank "
              "adapters; use an AdamW --optim")
@@ -73,13 +79,6 @@ def muon_matrices(model: nn.Module) -> set[int]:
     outer |= {id(p) for p in head.parameters()} if head is not None else set()
     return {id(p) for p in model.parameters()
             if p.requires_grad and id(p) not in outer and len(getattr(p, "ds_shape", p.shape)) == 2}
-
-
-def tag_muon_parameters(model: nn.Module) -> None:
-    """`param.use_muon` on every parameter: what DeepSpeed's ZeRO Muon splits its groups by."""
-    matrices = muon_matrices(model)
-    for p in model.parameters():
-        p.use_muon = id(p) in matrices
 
 
 def create_muon_optimizer(args: argparse.Namespace, model: nn.Module) -> MuonWithAdamW:
@@ -98,28 +97,24 @@ def create_muon_optimizer(args: argparse.Namespace, model: nn.Module) -> MuonWit
 
 def muon_optimizer(args: argparse.Namespace, model: nn.Module, accelerator):
     """The recipe's hook: with --optim muon, the factory of `MuonWithAdamW` (under DeepSpeed: None, after writing
-    DeepSpeed's ZeRO Muon into its config and tagging the parameters); else None (the core's optimizers)."""
+    DeepSpeed's ZeRO Muon into its config); else None (the core's optimizers)."""
     if args.optim != "muon":
         return None
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return create_muon_optimizer
-    tag_muon_parameters(model)
-    plugin.deepspeed_config["optimizer"] = deepspeed_muon_block(args, plugin.deepspeed_config)
+    plugin.deepspeed_config["optimizer"] = deepspeed_muon_block(args)  # deepspeed.initialize tags the matrices
     return None
 
 
-def deepspeed_muon_block(args: argparse.Namespace, ds_config: dict) -> dict:
-    """DeepSpeed 0.19.8's ZeRO Muon (`deepspeed/runtime/zero/muon/`) from the flags. A JSON's own optimizer block
-    (the offload configs' AdamW) gives way, as the flag decides the optimizer."""
-    if args.muon_adjust_lr_fn != "match_rms_adamw" or not args.muon_nesterov or args.muon_ns_steps != 5:
-        fail("--optim muon under DeepSpeed: DeepSpeed's ZeRO Muon has Nesterov momentum, 5 Newton-Schulz steps and "
-             "the match_rms_adamw scaling built in; keep --muon_nesterov true, --muon_ns_steps 5, "
-             "--muon_adjust_lr_fn match_rms_adamw")
+def deepspeed_muon_block(args: argparse.Namespace) -> dict:
+    """DeepSpeed 0.19.8's ZeRO Muon (`deepspeed/runtime/zero/muon/`) from the flags; it replaces a JSON's own optimizer
+    block (the offload configs' AdamW), as the flag decides the optimizer. ZeRO orthogonalizes each matrix whole (its
+    partitions gathered); `deepspeed.initialize` tags the 2-D parameters not named embed/lm_head (`use_muon`)."""
     return {"type": "Muon", "params": {
         "lr": args.learning_rate, "muon_lr": args.muon_learning_rate or args.learning_rate,
-        "adam_lr": args.learning_rate, "momentum": args.muon_momentum, "weight_decay": args.weight_decay,
-        "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}}
+        "adam_lr": args.learning_rate, "momentum": args.muon_momentum, "ns_method": "standard",
+        "weight_decay": args.weight_decay, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}}
 
 
 def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
