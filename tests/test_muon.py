@@ -230,3 +230,18 @@ def test_muon_accumulation_and_two_processes_equal_one_big_batch(parity_runs, na
     worst = max(errors, key=errors.get)
     print(f"{name}: max relative weight difference {errors[worst]:.1e} ({worst})")
     assert errors[worst] <= 1e-5, f"{worst}: {errors[worst]:.1e}"
+
+
+def test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix():
+    """tools/estimate_memory.py: Muon's matrices hold 4 bytes of state, not AdamW's 8 (the rest keeps 8), on one GPU
+    and sharded over FSDP2's processes."""
+    from tools import estimate_memory
+
+    recipe = ["scripts/pretrain_llama.py", "--model_preset", "1b", "--bf16"]
+    fsdp2 = ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp2.yaml", "--num_processes", "8"]
+    shape = estimate_memory.model_shape(SimpleNamespace(params=None, config_name=None, model_preset="1b",
+                                                        vocab_size=8192))
+    for launch, key, processes in (([], "optimizer states", 1), (fsdp2, "model states (FSDP2 full shard, 8 GPUs)", 8)):
+        adamw, muon = (estimate_memory.command_answer(launch + recipe + ["--optim", optim], 80)["parts"][key]
+                       for optim in ("adamw_torch_fused", "muon"))
+        assert adamw - muon == pytest.approx(4 * shape.linear / processes, rel=1e-6), launch
