@@ -183,11 +183,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     step_flops = flops_per_token(model.config, total_params, full_numel(model.get_input_embeddings().weight),
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
-    create, schedule_kwargs = None, None  # the core's optimizers (--optim) and schedules, unless a feature says
-    create = muon_optimizer(args, model, accelerator)  # feature: muon
-    schedule_kwargs = wsd_schedule(args, total_steps)  # feature: warmup stable decay
-    optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps, create,
-                                                             schedule_kwargs)
+    optimizer, lr_scheduler = optimizer_and_schedule(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
@@ -260,6 +256,15 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     results.update(sharding_figures(model, accelerator))  # feature: tensor parallel
     log.write_results(results)
     return 0
+
+
+def optimizer_and_schedule(args, model, accelerator, total_steps: int):
+    """The optimizer and LR schedule of common/optim.py: the core's (--optim, --lr_scheduler_type) unless a feature
+    below chooses them."""
+    create, schedule_kwargs = None, None
+    create = muon_optimizer(args, model, accelerator)  # feature: muon
+    schedule_kwargs = wsd_schedule(args, total_steps)  # feature: warmup stable decay
+    return create_optimizer_and_scheduler(args, model, accelerator, total_steps, create, schedule_kwargs)
 
 
 def exporter(args):

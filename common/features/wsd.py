@@ -4,7 +4,7 @@
 Its reason to exist: the stable phase has no fixed end. A run resumed from a stable-phase checkpoint with a larger
 --max_steps trains exactly as a run planned that long from the start (the stable phase stretches, the decay moves to
 the new end), and a decay can be branched from any stable-phase checkpoint into a new --output_dir by resuming it with
-a --max_steps that ends the decay where wanted (docs/training.md gives both commands). Give --warmup_steps
+a --max_steps that ends the decay where wanted (docs/muon-and-wsd.md gives both commands). Give --warmup_steps
 explicitly for that: the default warmup is 5% of the run, so a longer --max_steps would lengthen it too.
 """
 
