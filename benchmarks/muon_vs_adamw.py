@@ -74,7 +74,7 @@ def tokens_to(curve: list[tuple[int, float]], target: float) -> float | None:
 def main() -> None:
     args = parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
-    runs = [run(args, side, lr) for side in SIDES for lr in args.learning_rates.split(",")]
+    runs = [run(args, side, lr) for lr in args.learning_rates.split(",") for side in SIDES]  # pairs first
     adamw_best = min((r for r in runs if r["side"] == "adamw"), key=lambda r: r["final"])
     target, budget = adamw_best["final"], adamw_best["curve"][-1][0]
     for r in runs:

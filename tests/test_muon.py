@@ -76,7 +76,8 @@ def definition(weight, grads, lr, weight_decay, momentum, nesterov, ns_steps, ad
             x = a * x + (b * gram + c * gram @ gram) @ x
         o = x.T if u.shape[0] > u.shape[1] else x
         rows, cols = weight.shape
-        scale = 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+        scale = (0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else
+                 math.sqrt(max(1, rows / cols)))
         w = w * (1 - lr * weight_decay) - lr * scale * o
     return w, buf
 
