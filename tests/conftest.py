@@ -283,7 +283,8 @@ FAST = {
                                 "test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora"},
     "test_muon.py": {"test_muon_update_is_the_definition_and_the_rest_get_adamw",
                      "test_wsd_learning_rate_is_the_definition",
-                     "test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix"},
+                     "test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix",
+                     "test_muon_where_it_does_not_apply_is_one_line"},
     "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
                                 "test_the_upstream_lines_that_force_the_torch_path_still_hold"},
 }

@@ -246,3 +246,16 @@ def test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix():
         adamw, muon = (estimate_memory.command_answer(launch + recipe + ["--optim", optim], 80)["parts"][key]
                        for optim in ("adamw_torch_fused", "muon"))
         assert adamw - muon == pytest.approx(4 * shape.linear / processes, rel=1e-6), launch
+
+
+def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path):
+    """The fine-tuning recipes do not offer it (argparse's one line); under DeepSpeed, whose ZeRO Muon has the
+    `original` scaling built in, the default scaling is refused before any work."""
+    from test_bad_inputs import load_script, one_line_error
+
+    with pytest.raises(SystemExit) as exc:
+        load_script("finetune_causal_lm").parse_args(["--optim", "muon", "--output_dir", str(tmp_path / "sft")])
+    assert exc.value.code == 2 and "argument --optim: invalid choice: 'muon'" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert "pass --muon_adjust_lr_fn original" in one_line_error(capsys, ["--optim", "muon", "--output_dir",
+                                                                          str(tmp_path / "out")])
