@@ -122,7 +122,7 @@ def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS
     a, b, c = coefficients
     x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
     tall = x.size(0) > x.size(1)
-    x = x.T if tall else x
+    x = x.T.contiguous() if tall else x  # a transposed view would send every matmul below to a slow path on CPU
     x = x / x.norm().clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.T
