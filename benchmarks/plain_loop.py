@@ -39,7 +39,8 @@ from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, pe
                             write_all_results)
 from common.inputs.modeling import (PRESETS, build_causal_lm, check_block_size, count_parameters, flops_per_token,
                                     load_config)
-from common.optim import create_optimizer
+from common.optim import create_optimizer, param_groups
+from common.features.muon import add_muon_args, muon_matrices
 from common.features.compile import add_compile_args, check_compile_flags, compile_counts, compile_model
 from common.features.cpu_threads import use_all_cores
 from common.flags import check_common_flags
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_data_args(parser)
     add_training_args(parser)
     add_compile_args(parser)
+    add_muon_args(parser)
     g = parser.add_argument_group("pretraining (as scripts/pretrain_llama.py)")
     g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
     g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="Vocabulary of a tokenizer trained here.")
@@ -65,6 +67,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.streaming:
         fail("--streaming is a scripts/pretrain_llama.py feature; this reference loop reads the map-style corpus")
     return args
+
+
+def textbook_muon(args: argparse.Namespace, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """--optim muon as torch's documentation writes it: torch.optim.Muon on the hidden matrices (the recipe's choice
+    of them), AdamW on the rest, two optimizers stepped one after the other."""
+    matrices = muon_matrices(model)
+    muon = torch.optim.Muon([p for p in model.parameters() if id(p) in matrices], lr=args.muon_learning_rate or
+                            args.learning_rate, weight_decay=args.weight_decay, momentum=args.muon_momentum,
+                            nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps,
+                            adjust_lr_fn=args.muon_adjust_lr_fn)
+    rest = [{**group, "params": [p for p in group["params"] if id(p) not in matrices]}
+            for group in param_groups(model, args.weight_decay)]
+    adamw = torch.optim.AdamW([group for group in rest if group["params"]], lr=args.learning_rate,
+                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, fused=True)
+    return [muon, adamw]
 
 
 def main() -> None:
@@ -97,12 +114,13 @@ def main() -> None:
     _, total_params = count_parameters(model)
     step_flops = flops_per_token(model.config, total_params, model.get_input_embeddings().weight.numel(),
                                  args.block_size)
-    optimizer = create_optimizer(args, model)
+    optimizers = textbook_muon(args, model) if args.optim == "muon" else [create_optimizer(args, model)]
     warmup = args.warmup_steps if args.warmup_steps is not None else int(0.05 * total_steps)
     extra = {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}} if args.lr_scheduler_type == "cosine_with_min_lr" \
         else {}
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=total_steps, **extra)
+    schedulers = [get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                num_training_steps=total_steps, **extra) for optimizer in optimizers]
+    scheduler = schedulers[-1]  # AdamW's: the rate the rows log
     if args.torch_compile:  # the recipe's compilation: each decoder layer once (or the whole model, flagged)
         compile_model(model, args.torch_compile_whole_model, args.torch_compile_backend, args.torch_compile_mode)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
@@ -123,10 +141,12 @@ def main() -> None:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     loss = model(**batch, use_cache=False).loss / ga  # training: no KV cache
                 scaler.scale(loss).backward()
-            scaler.step(optimizer)
+            for optimizer, each_scheduler in zip(optimizers, schedulers):
+                scaler.step(optimizer)
+                each_scheduler.step()
             scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             throughput.add(ga * batch["input_ids"].numel())
             if step % args.logging_steps == 0 or step == total_steps:

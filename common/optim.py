@@ -48,8 +48,10 @@ def create_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.
     return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
-def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, accelerator, total_steps: int):
-    """The optimizer and LR schedule, both counted in optimizer steps.
+def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, accelerator, total_steps: int,
+                                   create=None, schedule_kwargs: dict | None = None):
+    """The optimizer and LR schedule, both counted in optimizer steps. A feature may pass its optimizer's factory
+    (`create(args, model)`, else `create_optimizer`) and its schedule's extra arguments (`schedule_kwargs`).
 
     When a DeepSpeed JSON defines its own `optimizer`/`scheduler` block, accelerate's Dummy placeholders stand in
     for them (a real torch optimizer next to a JSON optimizer raises inside DeepSpeed).
@@ -65,15 +67,14 @@ def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, a
         optimizer = DummyOptim(param_groups(model, args.weight_decay), lr=args.learning_rate,
                                weight_decay=args.weight_decay)
     else:
-        optimizer = create_optimizer(args, model)
+        optimizer = (create or create_optimizer)(args, model)
     if "scheduler" in ds_config:
         return optimizer, DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup)
-    extra = {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}} if args.lr_scheduler_type == "cosine_with_min_lr" \
-        else {}
+    extra = {"min_lr_rate": 0.1} if args.lr_scheduler_type == "cosine_with_min_lr" else dict(schedule_kwargs or {})
 
     def schedule(opt):
         return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=warmup, num_training_steps=total_steps,
-                             **extra)
+                             scheduler_specific_kwargs=extra)
 
     if isinstance(optimizer, DummyOptim):  # the optimizer only exists inside DeepSpeed: build the schedule there
         return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=schedule)

@@ -8,9 +8,10 @@ its figures and a note), and the next row starts. A benchmark run is stopped as 
 are not waited for. Every row fits 78 GiB (the fp32 baseline, 89.7 GiB at 4 x 2,048 on an H200, is left to part 2).
 
 First the peer table at 4 x 2,048 (ours, the textbook loop, transformers' Trainer, ours + Liger kernels) and one
-profiled step of ours, then the 8B LoRA/QLoRA memory rows, and last GRPO beside TRL's GRPOTrainer (gpu_suite/grpo.py).
-About 400 s of rows by the times below, the wrapper's whole budget (tools/lent_gpu.sh): the GRPO row is last so that a
-call running long cuts it alone (then `--part headline --only perf_grpo` in a call of its own). What does not fit moved
+profiled step of ours, then --optim muon against the textbook loop with torch.optim.Muon, the 8B LoRA/QLoRA memory
+rows, and last GRPO beside TRL's GRPOTrainer (gpu_suite/grpo.py). About 500 s of rows by the times below, past the
+wrapper's budget of about 400 s (tools/lent_gpu.sh) since the Muon rows came: the GRPO row is last so that a call
+running long cuts it alone (then `--part headline --only perf_grpo` in a call of its own). What does not fit moved
 to part 2: the peers at 8 x 2,048 (`perf_*_8x`, about 240 s), the five 16k long-context rows (about 200 s) and part 1's
 fp8 row.
 """
@@ -29,6 +30,8 @@ CAPS_S = {
     "perf_liger": 100.0,         # about 50 s: ours' run with Liger's kernels (not measured)
     "perf_peer_table": 10.0,     # 0 s; reads the rows above
     "perf_profile_step": 100.0,  # about 45 s: ours' start and compile, 8 steps, the profile (not measured)
+    "perf_muon": 100.0,          # about 50 s: ours with --optim muon (not measured)
+    "perf_plain_muon": 100.0,    # about 50 s: the textbook loop with torch.optim.Muon (not measured)
     "perf_lora_8b": 100.0,       # 51 s, H200 11-26; includes building and saving the 8B-shaped base
     "perf_qlora_8b": 70.0,       # 33 s, H200 11-26
     "perf_grpo": 90.0,           # about 40 s (not measured): building the 125m-shaped model, then ours' and TRL's

@@ -26,12 +26,15 @@ PERF_METHODS = {"perf_baseline": "baseline", "perf_bf16_compile": "bf16_compile"
                 "perf_bf16_compile_chunked": "bf16_compile_chunked",
                 "perf_mfu_goal": "bf16_compile", "perf_trainer": "trainer", "perf_liger": "liger",
                 "perf_bf16_compile_8x": "bf16_compile_8x", "perf_plain_loop_8x": "plain_8x",
-                "perf_trainer_8x": "trainer_8x", "perf_liger_8x": "liger_8x"}
+                "perf_trainer_8x": "trainer_8x", "perf_liger_8x": "liger_8x", "perf_muon": "muon",
+                "perf_plain_muon": "plain_muon"}
 # The peer table: each peer's method -> (ours at its batch, the detail key of ours' speed over it: its median step time
 # over ours'). Every peer runs ours' flags: bf16, compile, fused AdamW (Trainer: its whole-model torch_compile).
 PEERS = {"plain_pytorch": ("bf16_compile", "ours_over_plain"), "trainer": ("bf16_compile", "ours_over_trainer"),
          "liger": ("bf16_compile", "ours_over_liger"), "plain_8x": ("bf16_compile_8x", "ours_over_plain"),
-         "trainer_8x": ("bf16_compile_8x", "ours_over_trainer"), "liger_8x": ("bf16_compile_8x", "ours_over_liger")}
+         "trainer_8x": ("bf16_compile_8x", "ours_over_trainer"), "liger_8x": ("bf16_compile_8x", "ours_over_liger"),
+         "plain_muon": ("muon", "ours_over_plain")}
+MUON = "on a CPU Newton-Schulz runs in fp32 in ours, in bf16 in torch.optim.Muon: not the same work"
 LIGER = "Liger kernels are Triton kernels (--use_liger_kernel refuses a CPU)"
 # Long-context rows: each activation-memory mode at `long_seq` tokens, bf16 with the chunked loss (the logits of a
 # long sequence would dominate otherwise): peak memory and tokens/s per mode. Where torch has no
@@ -87,6 +90,9 @@ def perf_extra_methods(cuda: bool, batch: int) -> dict[str, dict]:
         "plain_8x": {"flags": speed + double, "script": benchmark.PLAIN},
         "trainer_8x": {"flags": speed + double, "script": benchmark.TRAINER},
         "liger_8x": {"flags": speed + liger + double, "skip": None if cuda else LIGER},
+        "muon": {"flags": speed + ["--optim", "muon"], "skip": None if cuda else MUON},
+        "plain_muon": {"flags": speed + ["--optim", "muon"], "script": benchmark.PLAIN,
+                       "skip": None if cuda else MUON},
     }
 
 
@@ -405,6 +411,10 @@ def part2_rows() -> list[Row]:
         perf_row("perf_trainer", "benchmarks/trainer_loop.py (transformers' Trainer: whole-model torch_compile, fused "
                  "AdamW, bf16, use_cache=False): our speed over its"),
         perf_row("perf_liger", "ours + --use_liger_kernel", cuda_only=LIGER, needs=("liger_kernel",)),
+        perf_row("perf_muon", "ours + --optim muon (Muon for the hidden matrices, fused AdamW for the rest)",
+                 cuda_only=MUON),
+        perf_row("perf_plain_muon", "the textbook loop with torch.optim.Muon + AdamW (two optimizers): our speed over "
+                 "its", cuda_only=MUON),
         Row("perf_peer_table", 2, "the peer rows side by side: step time, tokens/s, MFU, peak memory, ours over each",
             check_peer_table),
         Row("perf_profile_step", 2, "benchmarks/profile_step.py on one step of ours: the share of it the GPU is busy",

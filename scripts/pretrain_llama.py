@@ -59,11 +59,13 @@ from common.features.folder_lock import lock_output_dir  # feature: folder lock
 from common.features.fsdp_on_cpu import use_fsdp2_on_cpu  # feature: fsdp2 on cpu
 from common.features.liger import (add_liger_args, check_liger_kernel, undo_liger_kernel,
                                    use_liger_kernel)  # feature: liger kernel
+from common.features.muon import add_muon_args, check_muon_flags, muon_optimizer  # feature: muon
 from common.features.preemption import announce_stop, catch_stop_signals, stop_when_launcher_dies  # feature: preemption
 from common.features.resume_guard import RunRecord  # feature: resume guard
 from common.features.sequence_parallel import (accumulate_slices, check_sequence_parallel, slice_windows,
                                                unsliced)  # feature: sequence parallel
 from common.features.streaming import (add_streaming_args, check_streaming_flags, load_streaming_data)  # feature: streaming
+from common.features.wsd import add_wsd_args, check_wsd_flags, wsd_schedule  # feature: warmup stable decay
 from common.features.tensor_parallel import (check_tensor_parallel, hide_parallelism_config_on_cpu, shard_model,
                                              sharding_figures, tensor_parallel_prepared,
                                              use_tensor_parallel)  # feature: tensor parallel
@@ -84,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_chunked_loss_args(parser)  # feature: chunked loss
     add_liger_args(parser)  # feature: liger kernel
     add_streaming_args(parser)  # feature: streaming
+    add_muon_args(parser)  # feature: muon
+    add_wsd_args(parser)  # feature: warmup stable decay
     g = parser.add_argument_group("pretraining")
     g.add_argument("--block_size", type=int, default=256, help="Tokens per packed training sequence.")
     g.add_argument("--tokenizer_vocab_size", type=int, default=8192, help="Vocabulary of a tokenizer trained here.")
@@ -97,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.block_size < 2:
         fail(f"--block_size must be >= 2 (got {args.block_size})")
     check_streaming_flags(args)  # feature: streaming
+    check_muon_flags(args)  # feature: muon
+    check_wsd_flags(args)  # feature: warmup stable decay
     if sum(x is not None for x in (args.model_name_or_path, args.config_name, args.model_preset)) > 1:
         fail("give only one of --model_name_or_path, --config_name, --model_preset")
     return args
@@ -178,7 +184,7 @@ def train(args, config, accelerator, resume_from: str | None, extras: Checkpoint
     step_flops = flops_per_token(model.config, total_params, full_numel(model.get_input_embeddings().weight),
                                  args.block_size)
     router_aux_loss_coef = router_aux_loss_coefficient(model.config)
-    optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
+    optimizer, lr_scheduler = optimizer_and_schedule(args, model, accelerator, total_steps)
     model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler, *eval_dataloaders)  # one eval dataloader per source
     tensor_parallel_prepared(accelerator, model)  # feature: tensor parallel
@@ -267,6 +273,15 @@ def count_steps(args, accelerator, train_dataloader, mixture):
     global_batch = args.per_device_train_batch_size * ga * processes
     return steps_per_epoch, total_steps, TokensPerSource(accelerator, mixture, args.block_size, global_batch,
                                                          steps_per_epoch, drawn)
+
+
+def optimizer_and_schedule(args, model, accelerator, total_steps: int):
+    """The optimizer and LR schedule of common/optim.py: the core's (--optim, --lr_scheduler_type) unless a feature
+    below chooses them."""
+    create, schedule_kwargs = None, None
+    create = muon_optimizer(args, model, accelerator)  # feature: muon
+    schedule_kwargs = wsd_schedule(args, total_steps)  # feature: warmup stable decay
+    return create_optimizer_and_scheduler(args, model, accelerator, total_steps, create, schedule_kwargs)
 
 
 def exporter(args):

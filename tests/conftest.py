@@ -297,6 +297,10 @@ FAST = {
                                 "test_a_tensor_parallel_command_gives_its_per_gpu_parts_and_refuses_lora",
                                 "test_every_figure_the_estimator_prints_agrees_with_the_others",
                                 "test_a_hub_id_the_machine_cannot_reach_is_one_line_at_once"},
+    "test_muon.py": {"test_muon_update_is_the_definition_and_the_rest_get_adamw",
+                     "test_wsd_learning_rate_is_the_definition",
+                     "test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix",
+                     "test_muon_where_it_does_not_apply_is_one_line"},
     "test_tensor_parallel.py": {"test_what_tensor_parallelism_cannot_serve_is_one_line",
                                 "test_the_upstream_lines_that_force_the_torch_path_still_hold",
                                 "test_torch_still_prints_the_two_warnings_tensor_parallel_runs_silence"},
@@ -312,7 +316,7 @@ def pytest_configure(config) -> None:
 # `--dist loadfile` hands out files in this order (xdist's own order, by number of tests, is switched off below), so
 # the two workers end on short files, together, not one on a 2-minute file alone.
 SLOWEST_FIRST = ("test_gpu_suite.py", "test_multinode.py", "test_slurm.py", "test_preemption.py", "test_distributed.py",
-                 "test_compile.py", "test_bad_inputs.py", "test_memory_estimate.py", "test_pretrain.py",
+                 "test_compile.py", "test_muon.py", "test_bad_inputs.py", "test_memory_estimate.py", "test_pretrain.py",
                  "test_crash_safety.py", "test_lora.py", "test_benchmark.py", "test_finetune_dpo.py",
                  "test_finetune_vlm.py", "test_async_checkpoint.py", "test_chunked_loss.py", "test_tensor_parallel.py",
                  "test_lora_engines.py",

@@ -43,6 +43,8 @@ def one_line_error(capsys, argv: list[str]) -> str:
     (["--train_file", "{empty}"], "the file is empty"),
     (["--train_file", "{bad_ext}"], "unsupported extension"),
     (["--optim", "sgd_9bit"], "argument --optim: invalid choice: 'sgd_9bit'"),
+    (["--optim", "muon", "--muon_momentum", "1.5"], "--muon_momentum must be in [0, 1) (got 1.5)"),
+    (["--lr_scheduler_type", "warmup_stable_decay", "--lr_decay_ratio", "0"], "--lr_decay_ratio must be in (0, 1]"),
     (["--model_preset", "huge"], "argument --model_preset: invalid choice: 'huge'"),
     (["--block_size", "4096"], "--block_size 4096 is larger than the model's max_position_embeddings (1024)"),
     (["--mixed_precision", "fp16"], "fp16 mixed precision needs a CUDA GPU"),

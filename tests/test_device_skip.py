@@ -16,16 +16,23 @@ from accelerate import Accelerator
 from transformers import get_scheduler
 
 from common.features.divergence import NonFiniteGuard
+from common.features.muon import MuonWithAdamW
 from common.guard import Verdict
 from common.steps import TrainingProgress
 
 
-def train(nan_steps: set[int], on_device: bool, read_every: int, steps: int = 10, max_nonfinite: int = 3):
-    """(the state after each step: weights, optimizer state, schedule; the verdicts; the step the run stopped at)."""
+def train(nan_steps: set[int], on_device: bool, read_every: int, steps: int = 10, max_nonfinite: int = 3,
+          muon: bool = False):
+    """(the state after each step: weights, optimizer state, schedule; the verdicts; the step the run stopped at).
+    `muon`: --optim muon's optimizer (Muon for the weight matrices, fused AdamW for the biases)."""
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if muon:
+        optimizer = MuonWithAdamW([{"params": [model[0].weight, model[2].weight], "use_muon": True},
+                                   {"params": [model[0].bias, model[2].bias]}], lr=1e-2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     progress = TrainingProgress()
@@ -91,3 +98,13 @@ def test_divergence_stops_one_step_later_with_the_same_finite_weights():
     for states in (host, device):
         assert all(torch.equal(x, y) for x, y in zip(states[1]["weights"], states[-1]["weights"]))
         assert all(torch.isfinite(p).all() for p in states[-1]["weights"])
+
+
+@pytest.mark.parametrize("nan_steps", [{1}, {4, 5}], ids=["first", "two_in_a_row"])
+def test_muon_skips_on_the_device_as_a_host_skip_does(nan_steps):
+    """--optim muon: the weights, Muon's momentum buffers, AdamW's moments and steps and the schedule, bit for bit."""
+    host, _, _ = train(nan_steps, on_device=False, read_every=1, muon=True)
+    device, _, _ = train(nan_steps, on_device=True, read_every=3, muon=True)
+    assert len(host) == len(device) == 10
+    for step, (a, b) in enumerate(zip(host, device), start=1):
+        assert_same(a, b, step, schedule_known=step not in {s for s in nan_steps if s % 3})

@@ -76,12 +76,13 @@ def report(steps: list[list[str]], script: str) -> None:
           f"({LOGGING_STEPS}-step logging); model's own reads per step: {len(steps[1])} at {model}")
 
 
-def test_pretraining_reads_nothing_inside_a_step(corpus, tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "muon"])
+def test_pretraining_reads_nothing_inside_a_step(corpus, tmp_path, optim):
     steps = reads_per_step(tmp_path, "pretrain_llama.py", "--train_file", corpus["train"], "--validation_file",
                            corpus["validation"], "--block_size", "64", "--tokenizer_vocab_size", "512",
                            "--per_device_train_batch_size", "4", "--sample_max_new_tokens", "0",
-                           "--max_eval_samples", "4", "--cache_dir", str(tmp_path / "cache"))
-    assert_no_read_inside_a_step(steps, "pretrain_llama.py")
+                           "--max_eval_samples", "4", "--cache_dir", str(tmp_path / "cache"), "--optim", optim)
+    assert_no_read_inside_a_step(steps, f"pretrain_llama.py --optim {optim}")
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])

@@ -579,6 +579,7 @@ def recipe_flags(argv: list[str]) -> argparse.Namespace:
     from common.features.chunked_loss import add_chunked_loss_args
     from common.features.liger import add_liger_args
     from common.features.lora import add_peft_args
+    from common.features.muon import add_muon_args
     from common.flags import add_model_args, add_training_args
     from common.inputs.modeling import add_finetuning_args
 
@@ -590,6 +591,7 @@ def recipe_flags(argv: list[str]) -> argparse.Namespace:
     add_chunked_loss_args(parser)
     add_liger_args(parser)
     add_peft_args(parser)
+    add_muon_args(parser)  # pretrain_llama.py's --optim muon
     parser.add_argument("--block_size", type=int, default=256)  # pretrain_llama.py's
     parser.add_argument("--tokenizer_vocab_size", type=int, default=8192)  # pretrain_llama.py's trained tokenizer
     parser.add_argument("--precompute_ref_log_probs", action="store_true")  # finetune_dpo.py's
@@ -651,12 +653,20 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
     dpo = recipe == "finetune_dpo.py"
     live_reference = dpo and method == "full fine-tuning" and not args.precompute_ref_log_probs
     run = Run(method, seq, args.per_device_train_batch_size * (2 if dpo else 1), mode,
-              args.chunked_cross_entropy or args.use_liger_kernel, 2 if args.optim in EIGHT_BIT else 8,
+              args.chunked_cross_entropy or args.use_liger_kernel, optimizer_bytes(shape, args.optim),
               args.lora_r, args.use_bnb_nested_quant, args.lora_dropout > 0 and (args.keep_dropout or not dpo), device,
               int(option) if option and option.isdigit() else 2, 4 * shape.params if live_reference else 0,
               launch["num_processes"] > 1 and launch["tp"] == 1, launch["tp"])
     return shape, run, {"recipe": recipe, "model": source or f"preset {args.model_preset or 'tiny'}",
                         "launch": launch, "optim": args.optim}
+
+
+def optimizer_bytes(shape: ModelShape, optim: str) -> float:
+    """Optimizer state per trained parameter: AdamW's m and v (8; 2 in 8 bits); --optim muon keeps one fp32 momentum
+    buffer (4) for the hidden matrices (`shape.linear`: all linear layers but the head) and AdamW's 8 for the rest."""
+    if optim in EIGHT_BIT:
+        return 2
+    return 8 - 4 * (shape.linear or 0) / shape.params if optim == "muon" else 8
 
 
 def engine_states(shape: ModelShape, run: Run, launch: dict, optim: str) -> tuple[str, float] | None:
@@ -667,7 +677,8 @@ def engine_states(shape: ModelShape, run: Run, launch: dict, optim: str) -> tupl
         if run.method != "full fine-tuning":
             fail(f"{name}: {run.method} (--use_peft) is not supported with tensor parallelism (tp_size {tp}); the "
                  "recipes refuse it too")
-        held = 16 * tp_held(shape, tp) / (n // tp) + 4 * shape.largest_unit / tp
+        held = 16 * tp_held(shape, tp) / (n // tp) + 4 * shape.largest_unit / tp - (
+            4 * (shape.linear or 0) / n if optim == "muon" else 0)  # Muon: one momentum buffer, not AdamW's two
         return f"model states (TP {tp}" + (f", FSDP2 over {n // tp}" if n > tp else "") + f", {n} GPUs)", held
     if launch["config"].get("distributed_type", "NO") in ("NO", "MULTI_GPU", "MULTI_CPU"):
         return None
@@ -678,7 +689,10 @@ def engine_states(shape: ModelShape, run: Run, launch: dict, optim: str) -> tupl
     if not rows:
         fail(f"{name}: not a config of accelerate_configs/ the estimate knows")
     option = next((o for o in rows if o.flags == flags), rows[0])
-    return f"model states ({option.what}, {launch['num_processes']} GPUs)", option.states
+    # --optim muon: its matrices' second moment is not kept; that state is sharded over the processes (on the GPU
+    # unless the optimizer is offloaded)
+    saved = 4 * (shape.linear or 0) / launch["num_processes"] if optim == "muon" and "offload" not in name else 0
+    return f"model states ({option.what}, {launch['num_processes']} GPUs)", option.states - saved
 
 
 def command_answer(command: list[str], gpu_memory_gb: float, device: str = "cuda") -> dict:

@@ -71,7 +71,7 @@ def check_deepspeed_config(args: argparse.Namespace) -> dict | None:
     if config.get("gradient_clipping") == "auto":
         # accelerate fills an "auto" clipping with 1.0 whatever the flag says; its launcher's variable carries the flag
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(args.max_grad_norm)
-    if "optimizer" in config and args.optim not in ("adamw_torch", "adamw_torch_fused"):
+    if "optimizer" in config and args.optim not in ("adamw_torch", "adamw_torch_fused", "muon"):  # muon: replaces it
         warnings.warn(f"--optim {args.optim} is not used: DeepSpeed config {path} defines the optimizer "
                       f"({config['optimizer'].get('type')}; with optimizer offload this is DeepSpeed's CPU Adam)")
     return config

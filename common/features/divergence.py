@@ -47,7 +47,8 @@ class NonFiniteGuard(StepGuard):
     """The step check of common/guard.py, judging each step: non-finite ones are skipped on every rank, and
     `max_consecutive` of them in a row stop the run.
 
-    With fused Adam/AdamW (`--optim adamw_torch_fused`, the default) the skip happens on the device, without a read:
+    With fused Adam/AdamW (`--optim adamw_torch_fused`, the default) or Muon (common/features/muon.py, whose step
+    honours `found_inf` too) the skip happens on the device, without a read:
     the optimizer's `found_inf` (the tensor torch's GradScaler sets) tells the fused kernel to leave the weights and
     moments untouched and to take its step count back. The host reads the step's figures a step later; a skipped
     step's schedule step is then taken back before the next update, so weights, moments and schedule are those of a
@@ -62,10 +63,10 @@ class NonFiniteGuard(StepGuard):
         self.consecutive = 0
         optimizers, schedulers = prepared_optimizers_and_schedulers(accelerator)
         self.optimizer, self.scheduler = optimizers[0] if optimizers else None, schedulers[0] if schedulers else None
+        fused_adam = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+            group.get("fused") for group in self.optimizer.param_groups)  # a resume restores the checkpoint's groups
         self.device_skip = (len(optimizers) == 1 and len(schedulers) == 1 and isinstance(self.scheduler, LambdaLR)
-                            and isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-                            # the groups' flag: a resume restores the checkpoint's (an old one's is not fused)
-                            and all(group.get("fused") for group in self.optimizer.param_groups)
+                            and (fused_adam or getattr(self.optimizer, "skips_on_found_inf", False))  # --optim muon
                             and accelerator.scaler is None
                             and accelerator.distributed_type != DistributedType.DEEPSPEED)
 

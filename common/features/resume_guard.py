@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 from torch.optim.lr_scheduler import LambdaLR
 
 from common.errors import fail, fail_on_every_rank
+from common.features.wsd import stable_phase_resume
 from common.paths import COMPLETE_MARKER, RUN_RECORD, TOKENIZER_DIR
 from common.upstream import prepared_optimizers_and_schedulers, set_last_lr
 
@@ -29,7 +30,9 @@ SHARED_DATA_FLAGS = ("dataset_name", "dataset_config_name", "text_column", "max_
 # The flags a resume takes from this run although the checkpoint's state held them too (`keep_this_runs_hyperparameters`
 # puts them back after the restore): recorded to say, in one line, which ones a resume changes.
 HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
-                   "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")
+                   "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+                   "lr_decay_ratio", "lr_decay_type", "min_lr_ratio",  # common/features/wsd.py
+                   "muon_learning_rate", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr_fn")
 # The LoRA settings a checkpoint was trained with (common/features/lora.py): a resume must keep them.
 ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
                  "bnb_4bit_quant_type", "use_bnb_nested_quant")
@@ -74,7 +77,7 @@ class RunRecord:
             "base_model": base_model_fingerprint(getattr(args, "model_name_or_path", None), config),
             "optim": "adamw_torch" if args.optim == "adamw_torch_fused" else args.optim,  # fused or not: one state
         }
-        self.hyperparameters = {name: getattr(args, name) for name in HYPERPARAMETERS}
+        self.hyperparameters = {name: getattr(args, name) for name in HYPERPARAMETERS if hasattr(args, name)}
         self.mixed_precision = accelerator.mixed_precision
         if args.validation_file:  # the split share only counts when validation is cut from train
             self.fields.pop("validation_split_percentage", None)
@@ -194,14 +197,20 @@ def saved_record(path: str) -> dict:
         return {}
 
 
-def check_run_length(path: str, max_steps: int) -> None:
-    """A checkpoint beyond this run's --max_steps would end the run at once with more steps than asked: one line."""
+def checkpoint_step(path: str) -> int | None:
+    """The optimizer step a checkpoint was saved at (None: unknown)."""
     try:
         with open(os.path.join(path, COMPLETE_MARKER), encoding="utf-8") as f:
             step = json.load(f).get("step")
     except (OSError, ValueError, AttributeError):
-        return
-    if isinstance(step, int) and 0 < max_steps < step:
+        return None
+    return step if isinstance(step, int) else None
+
+
+def check_run_length(path: str, max_steps: int) -> None:
+    """A checkpoint beyond this run's --max_steps would end the run at once with more steps than asked: one line."""
+    step = checkpoint_step(path)
+    if step is not None and 0 < max_steps < step:
         fail(f"--resume_from_checkpoint {path}: the checkpoint is at optimizer step {step}, beyond this run's "
              f"--max_steps {max_steps}: resume with --max_steps {step} or more")
 
@@ -211,7 +220,10 @@ def report_new_hyperparameters(path: str, current: dict) -> None:
     saved = saved_record(path).get("hyperparameters", {})
     changed = [f"--{name} {current[name]} (was {saved[name]})" for name in current
                if name in saved and saved[name] != current[name]]
-    if changed:
+    stretched = stable_phase_resume(saved, current, checkpoint_step(path))  # a longer or branched stable phase
+    if changed and stretched:
+        logger.info(stretched)
+    elif changed:
         logger.warning(f"Resuming {path} with new hyperparameters: {', '.join(changed)}; the learning-rate schedule "
                        "is this run's from the checkpoint's step on, the optimizer's moments are the checkpoint's")
 
@@ -366,7 +378,7 @@ def check_resume_process_count(accelerator: Accelerator, checkpoint_dir: str | N
 
 # Optimizer settings that `load_state_dict` restores from a checkpoint along with the moments; a resume puts back the
 # values this run's flags gave (--weight_decay, --adam_beta1/2, --adam_epsilon; initial_lr is --learning_rate).
-FLAG_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr")
+FLAG_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr", "momentum", "nesterov", "ns_steps", "adjust_lr_fn")
 
 
 @contextmanager

@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Tokens to a target held-out loss: AdamW + cosine against Muon + warmup-stable-decay, each with a learning-rate sweep.
+
+    python benchmarks/muon_vs_adamw.py --output_dir outputs/muon_vs_adamw                    # tiny preset, CPU
+    python benchmarks/muon_vs_adamw.py --model_preset small --max_steps 300 --output_dir ...
+
+Every run trains the pretraining recipe on the embedded corpus from the same seed for the same number of optimizer
+steps (the same token budget), evaluating the held-out loss every --eval_every steps. The target is AdamW's best final
+held-out loss; for each run the tokens at which its held-out loss first reaches the target (linear between two
+evaluations) are reported as a share of the AdamW run's tokens, with final losses and seconds per step (the
+training time over the steps: Newton-Schulz's cost shows there). Outputs: results.json, results.md, results.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common.flags import ArgumentParser  # noqa: E402
+
+SIDES = {"adamw": ("--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine"),
+         "muon": ("--optim", "muon", "--lr_scheduler_type", "warmup_stable_decay")}
+
+
+def parse_args():
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output_dir", required=True, help="Where the runs and the results go.")
+    parser.add_argument("--model_preset", default="tiny", help="The recipe's --model_preset.")
+    parser.add_argument("--max_steps", type=int, default=200, help="Optimizer steps of every run (the budget).")
+    parser.add_argument("--eval_every", type=int, default=25, help="Held-out loss every N steps.")
+    parser.add_argument("--learning_rates", default="1e-3,2e-3,4e-3,8e-3", help="The sweep, for both sides.")
+    parser.add_argument("--block_size", type=int, default=128, help="Tokens per sequence.")
+    parser.add_argument("--batch_size", type=int, default=8, help="Sequences per step.")
+    parser.add_argument("--max_eval_samples", type=int, default=16, help="Held-out documents evaluated.")
+    return parser.parse_args()
+
+
+def run(args, side: str, lr: str) -> dict:
+    out = os.path.join(args.output_dir, f"{side}-{lr}")
+    if not os.path.isfile(os.path.join(out, "all_results.json")):
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "pretrain_llama.py"), "--output_dir", out,
+               "--overwrite_output_dir", "--model_preset", args.model_preset, "--max_steps", str(args.max_steps),
+               "--eval_steps", str(args.eval_every), "--logging_steps", str(args.eval_every), "--learning_rate", lr,
+               "--block_size", str(args.block_size), "--per_device_train_batch_size", str(args.batch_size),
+               "--max_eval_samples", str(args.max_eval_samples), "--sample_max_new_tokens", "0",
+               "--mixed_precision", "no", "--warmup_steps", str(args.max_steps // 20), *SIDES[side]]
+        began = time.time()
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(out + ".log", "w"))
+        print(f"{side} lr {lr}: {time.time() - began:.0f} s", flush=True)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(out, "all_results.json")) as f:
+        results = json.load(f)
+    tokens_per_step = args.block_size * args.batch_size
+    curve = [(r["step"] * tokens_per_step, r["eval_loss"]) for r in rows if "eval_loss" in r]
+    return {"side": side, "lr": float(lr), "curve": curve, "final": curve[-1][1],
+            "s_per_step": results["train_runtime"] / results["train_steps"]}
+
+
+def tokens_to(curve: list[tuple[int, float]], target: float) -> float | None:
+    """The tokens at which the held-out loss first reaches `target` (linear between evaluations); None: never."""
+    for (t0, l0), (t1, l1) in zip([(0, float("inf"))] + curve, curve):
+        if l1 <= target:
+            return t1 if l0 == float("inf") else t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def main() -> None:
+    args = parse_args()
+    os.makedirs(args.output_dir, exist_ok=True)
+    runs = [run(args, side, lr) for lr in args.learning_rates.split(",") for side in SIDES]  # pairs first
+    adamw_best = min((r for r in runs if r["side"] == "adamw"), key=lambda r: r["final"])
+    target, budget = adamw_best["final"], adamw_best["curve"][-1][0]
+    for r in runs:
+        reached = tokens_to(r["curve"], target)
+        r["tokens_to_target"], r["share_of_adamw_tokens"] = reached, reached / budget if reached else None
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump({"target": target, "budget_tokens": budget, "runs": runs, "flags": vars(args)}, f, indent=1)
+    lines = [f"Target: AdamW's best final held-out loss {target:.4f} (lr {adamw_best['lr']:g}); budget {budget:,} "
+             "tokens per run.", "", "| optimizer + schedule | lr | final held-out loss | tokens to target | share of "
+             "AdamW's tokens | s/step |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        name = "AdamW + cosine" if r["side"] == "adamw" else "Muon + WSD"
+        share = f"{r['share_of_adamw_tokens']:.2f}" if r["share_of_adamw_tokens"] else "not reached"
+        reached = f"{r['tokens_to_target']:,.0f}" if r["tokens_to_target"] else "-"
+        lines.append(f"| {name} | {r['lr']:g} | {r['final']:.4f} | {reached} | {share} | {r['s_per_step']:.3f} |")
+    with open(os.path.join(args.output_dir, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(runs, target, os.path.join(args.output_dir, "results.png"), args.model_preset)
+
+
+def plot(runs: list[dict], target: float, path: str, preset: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        tokens, losses = zip(*r["curve"])
+        ax.plot(tokens, losses, "-" if r["side"] == "muon" else "--", marker=".",
+                label=f"{'Muon + WSD' if r['side'] == 'muon' else 'AdamW + cosine'}, lr {r['lr']:g}")
+    ax.axhline(target, color="gray", linewidth=0.8, label="target (AdamW's best final)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out loss")
+    ax.set_title(f"Held-out loss against tokens, {preset} preset, embedded corpus")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""--optim muon: Muon (orthogonalized momentum) for the hidden weight matrices, AdamW for the rest, as one optimizer.
+
+Muon updates a matrix by its momentum's nearest semi-orthogonal matrix (5 Newton-Schulz iterations, Keller Jordan's
+coefficients), as `torch.optim.Muon` (torch 2.13) defines it; embeddings, the LM head, norms and biases keep AdamW.
+`MuonWithAdamW` holds both kinds of parameter group, so the loop keeps one optimizer, one schedule and one
+`optimizer.step()`, and its `state_dict` holds both states (Muon's one momentum buffer per matrix, AdamW's two
+moments), which checkpoints and the exact resume need. It is not `torch.optim.Muon` itself because that one
+- runs Newton-Schulz in bf16 everywhere: here bf16 on a GPU (as torch does), fp32 on CPU, so that 2 processes equal 1
+  to fp32 rounding;
+- orthogonalizes whatever tensor it holds: under FSDP2 or tensor parallelism a process's row shard, which is not Muon
+  on the matrix. Here a sharded matrix (a DTensor) is gathered whole (`full_tensor()`: one all-gather of the matrix
+  per step, as FSDP2's forward does for the weights), orthogonalized on every process (Newton-Schulz's compute repeated
+  on each) and each process keeps its own shard of the result;
+- cannot skip a non-finite step on the device: here, as fused AdamW does, the divergence guard's `found_inf` leaves
+  weights, momentum and moments untouched without a read to the host.
+Under DeepSpeed ZeRO a client optimizer only sees flattened partitions: there DeepSpeed's own ZeRO Muon is configured
+from the same flags (`deepspeed_muon_block`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+from torch import nn
+from torch.optim.adamw import adamw
+
+from common.errors import fail
+from common.optim import param_groups
+
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
+NS_EPS = 1e-7
+
+
+def add_muon_args(parser: argparse.ArgumentParser) -> None:
+    """`muon` becomes a choice of --optim, with Muon's own flags."""
+    optim = next(action for action in parser._actions if "--optim" in action.option_strings)  # argparse: no accessor
+    optim.choices = (*optim.choices, "muon")
+    g = parser.add_argument_group("muon")
+    g.add_argument("--muon_momentum", type=float, default=0.95, help="--optim muon: Muon's momentum.")
+    g.add_argument("--muon_nesterov", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                   help="--optim muon: Nesterov momentum (true/false).")
+    g.add_argument("--muon_ns_steps", type=int, default=5, help="--optim muon: Newton-Schulz iterations.")
+    g.add_argument("--muon_adjust_lr_fn", default="match_rms_adamw", choices=("match_rms_adamw", "original"),
+                   help="--optim muon: match_rms_adamw scales each matrix's update to AdamW's RMS (0.2 sqrt(max(A, "
+                        "B))), so --learning_rate and --weight_decay carry over from AdamW; original: sqrt(max(1, "
+                        "A/B)), which wants a larger --muon_learning_rate (~0.02).")
+    g.add_argument("--muon_learning_rate", type=float, default=None,
+                   help="--optim muon: peak learning rate of the Muon matrices (None: --learning_rate).")
+
+
+def check_muon_flags(args: argparse.Namespace) -> None:
+    if args.optim != "muon":
+        return
+    if not 0 <= args.muon_momentum < 1:
+        fail(f"--muon_momentum must be in [0, 1) (got {args.muon_momentum})")
+    if not 1 <= args.muon_ns_steps < 100:
+        fail(f"--muon_ns_steps must be between 1 and 99 (got {args.muon_ns_steps})")
+    if args.muon_learning_rate is not None and args.muon_learning_rate <= 0:
+        fail(f"--muon_learning_rate must be > 0 (got {args.muon_learning_rate})")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
+            args.muon_adjust_lr_fn != "original" or not args.muon_nesterov or args.muon_ns_steps != 5):
+        fail("--optim muon under DeepSpeed: DeepSpeed's ZeRO Muon scales each update by sqrt(max(1, rows/cols)) "
+             "with Nesterov momentum and 5 Newton-Schulz steps built in; pass --muon_adjust_lr_fn original (with a "
+             "larger --muon_learning_rate, ~0.02) and keep --muon_nesterov true, --muon_ns_steps 5")
+    if getattr(args, "use_peft", False):
+        fail("--optim muon with --use_peft: Muon is for a pretraining run's hidden matrices, not for LoRA's low-rank "
+             "adapters; use an AdamW --optim")
+
+
+def muon_matrices(model: nn.Module) -> set[int]:
+    """ids of the parameters Muon updates: the 2-D hidden matrices (attention and MLP projections). Embeddings and the
+    LM head (input and output layers), norms, biases and other shapes go to AdamW. Under ZeRO-3 a partitioned
+    parameter keeps its real shape in `ds_shape`."""
+    outer = {id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    outer |= {id(p) for p in head.parameters()} if head is not None else set()
+    return {id(p) for p in model.parameters()
+            if p.requires_grad and id(p) not in outer and len(getattr(p, "ds_shape", p.shape)) == 2}
+
+
+def create_muon_optimizer(args: argparse.Namespace, model: nn.Module) -> MuonWithAdamW:
+    """`create(args, model)` for common/optim.py: the Muon matrices in one group, AdamW's groups as --optim
+    adamw_torch_fused builds them (matrices decayed, 1-D parameters not)."""
+    matrices = muon_matrices(model)
+    muon = {"params": [p for p in model.parameters() if id(p) in matrices], "use_muon": True,
+            "lr": args.muon_learning_rate or args.learning_rate, "weight_decay": args.weight_decay}
+    adamw = [{**group, "params": [p for p in group["params"] if id(p) not in matrices]}
+             for group in param_groups(model, args.weight_decay)]
+    return MuonWithAdamW([muon] + [group for group in adamw if group["params"]], lr=args.learning_rate,
+                         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                         momentum=args.muon_momentum, nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps,
+                         adjust_lr_fn=args.muon_adjust_lr_fn)
+
+
+def muon_optimizer(args: argparse.Namespace, model: nn.Module, accelerator):
+    """The recipe's hook: with --optim muon, the factory of `MuonWithAdamW` (under DeepSpeed: None, after writing
+    DeepSpeed's ZeRO Muon into its config); else None (the core's optimizers)."""
+    if args.optim != "muon":
+        return None
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return create_muon_optimizer
+    plugin.deepspeed_config["optimizer"] = deepspeed_muon_block(args)  # deepspeed.initialize tags the matrices
+    return None
+
+
+def deepspeed_muon_block(args: argparse.Namespace) -> dict:
+    """DeepSpeed 0.19.8's ZeRO Muon (`deepspeed/runtime/zero/muon/`) from the flags; it replaces a JSON's own optimizer
+    block (the offload configs' AdamW), as the flag decides the optimizer. ZeRO orthogonalizes each matrix whole (its
+    partitions gathered); `deepspeed.initialize` tags the 2-D parameters not named embed/lm_head (`use_muon`)."""
+    return {"type": "Muon", "params": {
+        "lr": args.learning_rate, "muon_lr": args.muon_learning_rate or args.learning_rate,
+        "adam_lr": args.learning_rate, "momentum": args.muon_momentum, "ns_method": "standard",
+        "weight_decay": args.weight_decay, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}}
+
+
+def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py), in bf16 on a GPU and in fp32 on a CPU."""
+    a, b, c = coefficients
+    x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
+    tall = x.size(0) > x.size(1)
+    x = x.T.contiguous() if tall else x  # a transposed view would send every matmul below to a slow path on CPU
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(update.dtype)
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str, shape) -> float:
+    """torch.optim.Muon's per-matrix learning-rate scaling."""
+    rows, cols = shape[:2]
+    return lr * (0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else
+                 math.sqrt(max(1, rows / cols)))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a DTensor (a view of it), or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for the groups marked `use_muon`, AdamW (torch's kernels, fused where they can) for the others.
+
+    A `found_inf` tensor set on it (the divergence guard, before `step`) makes a non-finite step leave every weight,
+    momentum buffer, moment and step count as it was, decided on the device.
+    """
+
+    @property
+    def skips_on_found_inf(self) -> bool:
+        """Whether `found_inf` skips a step on the device (the divergence guard asks): torch's AdamW kernels honour
+        it only fused (a resume restores the checkpoint's groups)."""
+        return all(group["use_muon"] or group["fused"] for group in self.param_groups)
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 adjust_lr_fn: str = "match_rms_adamw", fused: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                                      use_muon=False, fused=fused))
+        for group in self.param_groups:
+            if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("Muon only updates 2-D matrices")
+            if not group["use_muon"] and group["fused"] is None:  # fused where every tensor is a float on one kind
+                group["fused"] = all(p.is_floating_point() for p in group["params"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and group["use_muon"]:
+                self._muon_step(group, params, found_inf)
+            elif params:
+                self._adamw_step(group, params, found_inf)
+        return loss
+
+    def _muon_step(self, group: dict, params: list, found_inf: torch.Tensor | None) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            new_buf = buf.lerp(p.grad, 1 - momentum)
+            update = p.grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf
+            if hasattr(update, "full_tensor"):  # a shard of the matrix: orthogonalize the whole, keep this shard
+                from torch.distributed.tensor import distribute_tensor
+
+                whole = newton_schulz(update.full_tensor(), group["ns_steps"])
+                orthogonal = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+            else:
+                orthogonal = newton_schulz(update, group["ns_steps"])
+            new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=-adjusted_lr(
+                lr, group["adjust_lr_fn"], p.shape))
+            if found_inf is None:
+                _local(buf).copy_(_local(new_buf))
+                _local(p).copy_(_local(new_p))
+            else:  # a non-finite step keeps the old values; decided on the device
+                skip = found_inf.to(dtype=torch.bool, device=_local(p).device)
+                _local(buf).copy_(torch.where(skip, _local(buf), _local(new_buf)))
+                _local(p).copy_(torch.where(skip, _local(p), _local(new_p)))
+
+    def _adamw_step(self, group: dict, params: list, found_inf: torch.Tensor | None) -> None:
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:  # as torch.optim.AdamW lays out its state (a fused step count lives on the device)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if group["fused"] \
+                    else torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps,
+                                fused=group["fused"], found_inf=found_inf if group["fused"] else None,
+                                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

@@ -1,0 +1,261 @@
+"""--optim muon (common/features/muon.py) and --lr_scheduler_type warmup_stable_decay (common/features/wsd.py).
+
+In process: Muon's update on a matrix equals a transcription of its definition (torch.optim.Muon's: momentum as a
+lerp, Nesterov, 5 Newton-Schulz steps with Keller Jordan's coefficients, the learning-rate adjustment, decoupled weight
+decay) to 1e-6, and the other parameters get torch's fused AdamW update exactly; the WSD learning rate at every step
+equals its definition, for each decay shape.
+
+Pretraining runs, Muon + WSD, attention dropout on (`dropout_config`), checkpoints every 2 steps:
+- a 6-step run and a 4-step run (the decay: their last half); each logged learning rate is the definition's;
+- the 6-step run's step-2 checkpoint branched into a new --output_dir with --max_steps 4 ends with the 4-step run's
+  weights (0.0): a decay branched from the stable phase;
+- the 4-step run's stable-phase checkpoint (step 2) resumed with --max_steps 6 (the resume says in one line that the
+  stable phase stretches), SIGKILLed after a random number of steps and restarted (`auto`), ends with the 6-step run's
+  weights (0.0): Muon's momentum buffers and AdamW's moments are saved and restored exactly.
+fp32, the same global batch of 8 from one saved tiny model: 1 process x 8, 1 x 1 with 8 accumulation steps, 2
+processes x 4 under DDP and FSDP2, and FSDP2 (2) x TP (2) on 4 processes end with the same weights (1e-5 relative;
+Newton-Schulz runs in fp32 on CPU; under FSDP2 and TP each matrix is gathered and orthogonalized whole); the FSDP2
+run's step-2 checkpoint (sharded Muon momentum) resumed ends with its weights exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import copy_checkpoints, launcher, read_metrics, run_script
+from test_crash_safety import pretrain_command, rows_since, sigkill, start, wait_for, weights_diff
+from test_distributed import exported_weights, init_model  # noqa: F401  (fixture)
+
+from common.features.muon import create_muon_optimizer
+
+
+def flags(**overrides) -> SimpleNamespace:
+    values = dict(optim="muon", learning_rate=2e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                  adam_epsilon=1e-8, muon_momentum=0.95, muon_nesterov=True, muon_ns_steps=5,
+                  muon_adjust_lr_fn="match_rms_adamw", muon_learning_rate=None, lr_scheduler_type="linear",
+                  warmup_steps=0)
+    return SimpleNamespace(**{**values, **overrides})
+
+
+class Tiny(torch.nn.Module):
+    """An embedding (AdamW, decayed), a tall and a wide hidden matrix (Muon), a bias (AdamW, not decayed), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(11, 6)
+        self.up = torch.nn.Linear(6, 10)
+        self.down = torch.nn.Linear(10, 6, bias=False)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids):
+        return self.head(self.down(torch.tanh(self.up(self.embed(ids))))).logsumexp(-1).mean()
+
+
+def definition(weight, grads, lr, weight_decay, momentum, nesterov, ns_steps, adjust_lr_fn):
+    """torch.optim.Muon's update rule written out for one matrix over several steps (Newton-Schulz in float64)."""
+    w, buf = weight.double().clone(), torch.zeros_like(weight, dtype=torch.float64)
+    a, b, c = 3.4445, -4.775, 2.0315
+    for g in grads:
+        g = g.double()
+        buf = momentum * buf + (1 - momentum) * g
+        u = (1 - momentum) * g + momentum * buf if nesterov else buf
+        x = u.T if u.shape[0] > u.shape[1] else u
+        x = x / max(x.norm().item(), 1e-7)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        o = x.T if u.shape[0] > u.shape[1] else x
+        rows, cols = weight.shape
+        scale = (0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else
+                 math.sqrt(max(1, rows / cols)))
+        w = w * (1 - lr * weight_decay) - lr * scale * o
+    return w, buf
+
+
+@pytest.mark.parametrize("adjust_lr_fn,nesterov", [("match_rms_adamw", True), ("original", False)])
+def test_muon_update_is_the_definition_and_the_rest_get_adamw(adjust_lr_fn, nesterov):
+    model, twin = Tiny(), Tiny()
+    optimizer = create_muon_optimizer(flags(muon_adjust_lr_fn=adjust_lr_fn, muon_nesterov=nesterov), model)
+    assert [(g["use_muon"], len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups] == \
+        [(True, 2, 0.1), (False, 2, 0.1), (False, 1, 0.0)]  # up/down; embed/head; the bias
+    adamw = torch.optim.AdamW([{"params": [twin.embed.weight, twin.head.weight], "weight_decay": 0.1},
+                               {"params": [twin.up.bias], "weight_decay": 0.0}], lr=2e-2, betas=(0.9, 0.95),
+                              eps=1e-8, fused=True)
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {"up.weight": [], "down.weight": []}
+    for step in range(3):
+        ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+        for m, opt in ((model, optimizer), (twin, adamw)):
+            m(ids).backward()
+            if m is model:
+                for name in grads:
+                    grads[name].append(m.get_parameter(name).grad.clone())
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():  # the twin's matrices follow Muon's: its AdamW parameters see the same gradients
+            twin.up.weight.copy_(model.up.weight)
+            twin.down.weight.copy_(model.down.weight)
+    for name in grads:
+        want, want_buf = definition(start[name], grads[name], 2e-2, 0.1, 0.95, nesterov, 5, adjust_lr_fn)
+        got = model.get_parameter(name)
+        assert (got.double() - want).abs().max().item() < 1e-6, name
+        assert (optimizer.state[got]["momentum_buffer"].double() - want_buf).abs().max().item() < 1e-6, name
+    for name in ("embed.weight", "head.weight", "up.bias"):  # AdamW's update exactly, with its state
+        assert torch.equal(model.get_parameter(name), twin.get_parameter(name)), name
+    state = optimizer.state_dict()["state"]
+    assert sorted(len(s) for s in state.values()) == [1, 1, 3, 3, 3]  # a momentum buffer; step and two moments
+
+
+@pytest.mark.parametrize("decay_type", ["1-sqrt", "linear", "cosine"])
+def test_wsd_learning_rate_is_the_definition(decay_type):
+    from accelerate import Accelerator
+
+    from common.features.wsd import wsd_schedule
+    from common.optim import create_optimizer_and_scheduler
+
+    args = flags(optim="adamw_torch", lr_scheduler_type="warmup_stable_decay", warmup_steps=3, lr_decay_ratio=0.3,
+                 lr_decay_type=decay_type, min_lr_ratio=0.1, learning_rate=1.0)
+    total = 20  # warmup 0-2, stable 3-13, decay 14-19 (round(0.3 * 20) = 6 steps)
+    _, scheduler = create_optimizer_and_scheduler(args, torch.nn.Linear(2, 2), Accelerator(cpu=True), total,
+                                                  schedule_kwargs=wsd_schedule(args, total))
+    shape = {"1-sqrt": lambda x: 1 - math.sqrt(x), "linear": lambda x: 1 - x,
+             "cosine": lambda x: 0.5 * (1 + math.cos(math.pi * x))}[decay_type]
+    for step in range(total + 2):
+        if step < 3:
+            want = 0.1 + 0.9 * step / 3
+        elif step < 14:
+            want = 1.0
+        else:
+            want = 0.1 + 0.9 * shape((step - 14) / 6) if step < 20 else 0.1
+        assert scheduler.get_last_lr()[0] == pytest.approx(want, abs=1e-12), step
+        scheduler.optimizer.step()
+        scheduler.step()
+
+
+# ---- pretraining runs -------------------------------------------------------------------------------------------
+WSD_FLAGS = ("--optim", "muon", "--lr_scheduler_type", "warmup_stable_decay", "--warmup_steps", "1",
+             "--lr_decay_ratio", "0.5", "--checkpointing_steps", "2", "--save_total_limit", "5", "--max_train_samples",
+             "40", "--max_eval_samples", "4", "--eval_steps", "100")
+
+
+@pytest.fixture(scope="module")
+def wsd_runs(corpus, dropout_config, tmp_path_factory):
+    d = tmp_path_factory.mktemp("wsd")
+
+    def command(out, steps, *extra):
+        return pretrain_command(corpus, d / "cache", d / out, *WSD_FLAGS, "--config_name", dropout_config,
+                                "--max_steps", str(steps), *extra)
+
+    def run(out, steps, *extra):
+        return run_script("pretrain_llama.py", *command(out, steps, *extra)[2:])
+
+    run("six", 6)
+    run("four", 4)
+    run("branch", 4, "--resume_from_checkpoint", str(d / "six" / "checkpoints" / "step_2"))
+    # The 4-step run's stable-phase checkpoint resumed with --max_steps 6, SIGKILLed after a drawn number of rows
+    # (from step 3 on: its next checkpoint may or may not be written), and started again with the same command.
+    copy_checkpoints(d / "four", d / "longer", 2)
+    began, cmd, log = time.time(), command("longer", 6, "--resume_from_checkpoint", "auto"), str(d / "longer.log")
+    proc = start(cmd, log)
+    rows = random.Random(56).randint(1, 3)
+    assert wait_for(proc, lambda: len(rows_since(d / "longer", began)) >= rows), open(log).read()[-3000:]
+    sigkill(proc)
+    assert start(cmd, log).wait(timeout=600) == 0, open(log).read()[-3000:]
+    with open(log) as f:
+        return d, f.read(), rows
+
+
+def wsd_lr(step: int, total: int, peak: float = 3e-3) -> float:
+    """The rate the row of optimizer step `step` used (the schedule at step - 1): warmup 1, decay the last half,
+    1-sqrt down to 0."""
+    s, start = step - 1, total - round(0.5 * total)
+    return peak * (0.0 if s < 1 else 1.0 if s < start else 1 - math.sqrt((s - start) / round(0.5 * total)))
+
+
+def test_wsd_runs_stretch_branch_and_survive_a_kill(wsd_runs):
+    d, longer_log, kill_rows = wsd_runs
+    for name, total in (("six", 6), ("four", 4)):
+        rows = [r for r in read_metrics(str(d / name)) if "loss" in r]
+        assert [r["step"] for r in rows] == list(range(1, total + 1))
+        for r in rows:
+            assert r["lr"] == pytest.approx(wsd_lr(r["step"], total), rel=1e-12, abs=1e-15), (name, r["step"])
+    assert "in its stable phase; this run decays over steps 3-6" in longer_log
+    # stable phase stretched, killed and resumed = planned 6 from the start
+    assert weights_diff(d / "longer", d / "six") == 0.0, f"killed after {kill_rows} rows"
+    assert weights_diff(d / "branch", d / "four") == 0.0  # decay branched at step 2 = planned 4 from the start
+
+
+@pytest.fixture(scope="module")
+def parity_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
+    d = tmp_path_factory.mktemp("muon_parity")
+
+    def run(name, per_device, accumulation, config="cpu_1proc.yaml", processes=1, *extra):
+        run_script("pretrain_llama.py", "--model_name_or_path", init_model, "--train_file", corpus["train"],
+                   "--validation_file", corpus["validation"], "--block_size", "64", "--cache_dir", str(d / "cache"),
+                   "--output_dir", str(d / name), "--max_steps", "3", "--logging_steps", "1", "--optim", "muon",
+                   "--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps",
+                   str(accumulation), "--mixed_precision", "no", "--learning_rate", "1e-2", "--max_eval_samples", "4",
+                   "--sample_max_new_tokens", "0", "--adam_epsilon", "1e-6", *extra,
+                   launcher=[*launcher(config, processes), "--mixed_precision", "no"])
+        return exported_weights(d / name)
+
+    # AdamW's epsilon 1e-6 (test_tensor_parallel.py says why: at 1e-8 fp32 summation noise of TP's other reduction
+    # order moves elements with tiny gradients by ~2e-5 relative, in AdamW's parameters, not in Muon's).
+    weights = {"one": run("one", 8, 1), "accumulated": run("accumulated", 1, 8), "ddp": run("ddp", 4, 1,
+               "cpu_2proc.yaml", 2), "fsdp2": run("fsdp2", 4, 1, "fsdp2.yaml", 2, "--checkpointing_steps", "2"),
+               "fsdp2_tp": run("fsdp2_tp", 4, 1, "fsdp2_tp.yaml", 4)}
+    copy_checkpoints(d / "fsdp2", d / "fsdp2_resumed", 2)  # FSDP2's sharded Muon state, resumed at step 2
+    weights["fsdp2_resumed"] = run("fsdp2_resumed", 4, 1, "fsdp2.yaml", 2, "--resume_from_checkpoint", "auto")
+    return weights
+
+
+def test_fsdp2_muon_resumes_exactly(parity_runs):
+    resumed, uninterrupted = parity_runs["fsdp2_resumed"], parity_runs["fsdp2"]
+    assert all(torch.equal(resumed[k], v) for k, v in uninterrupted.items())
+
+
+@pytest.mark.parametrize("name", ["accumulated", "ddp", "fsdp2", "fsdp2_tp"])
+def test_muon_accumulation_and_two_processes_equal_one_big_batch(parity_runs, name):
+    one, other = parity_runs["one"], parity_runs[name]
+    errors = {k: (torch.linalg.norm(other[k] - v) / torch.linalg.norm(v)).item() for k, v in one.items()}
+    worst = max(errors, key=errors.get)
+    print(f"{name}: max relative weight difference {errors[worst]:.1e} ({worst})")
+    assert errors[worst] <= 1e-5, f"{worst}: {errors[worst]:.1e}"
+
+
+def test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix():
+    """tools/estimate_memory.py: Muon's matrices hold 4 bytes of state, not AdamW's 8 (the rest keeps 8), on one GPU
+    and sharded over FSDP2's processes."""
+    from tools import estimate_memory
+
+    recipe = ["scripts/pretrain_llama.py", "--model_preset", "1b", "--bf16"]
+    fsdp2 = ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp2.yaml", "--num_processes", "8"]
+    shape = estimate_memory.model_shape(SimpleNamespace(params=None, config_name=None, model_preset="1b",
+                                                        vocab_size=8192))
+    for launch, key, processes in (([], "optimizer states", 1), (fsdp2, "model states (FSDP2 full shard, 8 GPUs)", 8)):
+        adamw, muon = (estimate_memory.command_answer(launch + recipe + ["--optim", optim], 80)["parts"][key]
+                       for optim in ("adamw_torch_fused", "muon"))
+        assert adamw - muon == pytest.approx(4 * shape.linear / processes, rel=1e-6), launch
+
+
+def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path):
+    """The fine-tuning recipes do not offer it (argparse's one line); under DeepSpeed, whose ZeRO Muon has the
+    `original` scaling built in, the default scaling is refused before any work."""
+    from test_bad_inputs import load_script, one_line_error
+
+    with pytest.raises(SystemExit) as exc:
+        load_script("finetune_causal_lm").parse_args(["--optim", "muon", "--output_dir", str(tmp_path / "sft")])
+    assert exc.value.code == 2 and "argument --optim: invalid choice: 'muon'" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert "pass --muon_adjust_lr_fn original" in one_line_error(capsys, ["--optim", "muon", "--output_dir",
+                                                                          str(tmp_path / "out")])
