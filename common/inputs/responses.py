@@ -40,9 +40,11 @@ def rows_of(raw, columns: list[str], args: argparse.Namespace):
                 yield split, start + offset, values
 
 
-def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
+def chat_problem(messages, column: str, responses_from: int = 0, prompt_column: str | None = None) -> str | None:
     """What makes a row's chat turns untrainable, or None: an unknown role, no assistant turn, or an assistant turn
-    from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is."""
+    from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is. With
+    `prompt_column`, the turns before `responses_from` are that column's and the others are numbered from 1 in
+    `column` (DPO: a prompt's turns, then a response's)."""
     if isinstance(messages, str):
         return f"holds plain text in '{column}', where chat turns are expected"
     if not messages:
@@ -56,7 +58,9 @@ def chat_problem(messages, column: str, responses_from: int = 0) -> str | None:
             other = next((part for part in content if not is_text_part(part)), None)
             if other is not None:
                 kind = f"a part of type {other.get('type')!r}" if isinstance(other, dict) else f"a part {other!r}"
-                return (f"has {kind} in turn {number} of '{column}': the recipes train text-only models, which take "
+                turn, of = ((number, prompt_column) if number <= responses_from else
+                            (number - responses_from, column)) if prompt_column else (number, column)
+                return (f"has {kind} in turn {turn} of '{of}': the recipes train text-only models, which take "
                         'text parts only ({"type": "text", "text": ...})')
             content = joined_text(content)
         elif content is not None and not isinstance(content, str):
