@@ -153,6 +153,21 @@ def test_a_part_a_text_model_cannot_take_is_one_line_naming_the_row(capsys, tmp_
                       '({"type": "text", "text": ...})'], errors
 
 
+def test_a_preference_rows_problem_names_the_column_and_turn_it_is_in():
+    """DPO checks a prompt's turns and a response's as one conversation: a problem in the prompt was named as in
+    'chosen', and a response's turns were counted after the prompt's."""
+    from common.inputs.pairs import pair_problem
+
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "alpha"}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "beta"}],
+           "rejected": [{"role": "assistant", "content": 3}]}
+    assert pair_problem(row, "prompt", "chosen", "rejected") == \
+        "has content 3 in turn 1 of 'rejected': give text or a list of text parts"
+    row["prompt"] = prompt[:1] + [{"role": "human", "content": "alpha"}]
+    assert pair_problem(row, "prompt", "chosen", "rejected") == \
+        "has role 'human' in turn 2 of 'prompt' (the roles are system, user, assistant, tool)"
+
+
 def test_extra_message_keys_reach_the_template_as_the_file_holds_them(tokenizers, tmp_path):
     """`name`, `weight`, `tool_calls` in the validation file's messages only: `datasets` stopped with "cannot read
     ...: Couldn't cast array of type" (no file, row or key). Each message now reaches the template with exactly its
