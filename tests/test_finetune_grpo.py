@@ -257,12 +257,15 @@ def test_the_default_rewards_and_a_misused_reward_are_one_line():
     got = RewardFunctions([answer_length], "prompt")(rows, list("wxyz"), [[1]] * 4, "train")
     assert got[:2].tolist() == [[1.0], [1.0]] and got[2:].isnan().all()
     for func, message in ((lambda prompts, completions, **kw: 1 / 0, "raised ZeroDivisionError: division by zero "
-                           "(on rows 5, 10 of the prompts)"),
+                           "(on rows 5, 10 of the train split's prompts)"),
                           (lambda prompts, completions, **kw: [1.0], "returned 1 values for 4 completions"),
-                          (lambda prompts, completions, **kw: [1.0, 2, 3, "good"], "returned 'good' for row 10"),
+                          (lambda prompts, completions, **kw: [1.0, 2, 3, "good"],
+                           "returned 'good' for row 10 of the train split's"),
                           (lambda prompts, completions, **kw: [1.0, math.inf, 3, 4], "returned inf for row 5")):
         with pytest.raises(RewardError, match=message.replace("(", r"\(").replace(")", r"\)")):
             RewardFunctions([func], "prompt")(rows, list("wxyz"), [[1]] * 4, "train")
+    with pytest.raises(RewardError, match=r"\(on row 5 of the validation split's prompts\)$"):  # was "rows 5"
+        RewardFunctions([lambda completions, **kw: 1 / 0], "prompt")(rows[:2], list("wx"), [[1]] * 2, "validation")
 
 
 TRL_SHAPES = '''
