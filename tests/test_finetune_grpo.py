@@ -489,13 +489,15 @@ BAD = {
 }
 
 
-def test_the_kl_and_dropout_flags_say_what_trl_does(grpo, capsys, monkeypatch):
+def test_the_kl_and_dropout_flags_say_what_trl_does(grpo, capsys, monkeypatch, tmp_path):
     """TRL 1.16's GRPOConfig: use_bias_correction_kl True by default (false turns it off, as HfArgumentParser reads
-    it); disable_dropout False, which --keep_dropout's help says (the recipe's default differs: docs/grpo.md)."""
+    it); disable_dropout False, which --keep_dropout's help says (the recipe's default differs: docs/grpo.md). From
+    a folder whose outputs/run holds a run (this test failed there)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    output_dir = a_used_default_output_dir(monkeypatch, tmp_path)
     grpo_script = load_script("finetune_grpo")
     flags = ["--model_name_or_path", grpo["model"], "--train_file", grpo["train"], "--num_generations", "4",
-             "--reward_funcs", f"{grpo['rewards']}:letters"]
+             "--reward_funcs", f"{grpo['rewards']}:letters", "--output_dir", output_dir]
     assert grpo_script.parse_args(flags).use_bias_correction_kl is True
     assert grpo_script.parse_args(flags + ["--use_bias_correction_kl"]).use_bias_correction_kl is True
     assert grpo_script.parse_args(flags + ["--use_bias_correction_kl", "false"]).use_bias_correction_kl is False
