@@ -489,6 +489,24 @@ BAD = {
 }
 
 
+def test_a_function_that_scored_nothing_has_no_std():
+    """A step where one function returned None for every completion: its `rewards/<func>/mean` was NaN but its std
+    0.0 (TRL's nanstd: NaN); the other function's figures stand."""
+    from accelerate import Accelerator
+
+    from common.inputs.rollouts import GroupMetrics
+
+    rewards = SimpleNamespace(names=["silent", "scored"], logged_metrics=lambda accelerator: {})
+    metrics = GroupMetrics(Accelerator(cpu=True), rewards, beta=0.0)
+    metrics.add_generation([{"completion_mask": torch.ones(4, 3), "truncated": torch.zeros(4)}], 1.0)
+    scores = torch.tensor([[math.nan, 1.0], [math.nan, 2.0], [math.nan, 3.0], [math.nan, 4.0]], dtype=torch.float64)
+    total = scores.nansum(1)
+    metrics.add_rewards(scores, total, torch.full((4,), total.std().item()), torch.zeros(4, dtype=torch.long))
+    row = metrics.row()
+    assert math.isnan(row["rewards/silent/mean"]) and math.isnan(row["rewards/silent/std"])
+    assert row["rewards/scored/mean"] == 2.5 and row["rewards/scored/std"] == pytest.approx(total.std().item())
+
+
 def test_the_kl_and_dropout_flags_say_what_trl_does(grpo, capsys, monkeypatch, tmp_path):
     """TRL 1.16's GRPOConfig: use_bias_correction_kl True by default (false turns it off, as HfArgumentParser reads
     it); disable_dropout False, which --keep_dropout's help says (the recipe's default differs: docs/grpo.md). From
