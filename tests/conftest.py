@@ -260,6 +260,7 @@ FAST = {
                               "test_the_default_rewards_and_a_misused_reward_are_one_line",
                               "test_trl_reward_functions_are_called_as_trl_calls_them",
                               "test_a_step_without_reward_logs_nan_and_warns_once",
+                              "test_a_function_that_scored_nothing_has_no_std",
                               "test_a_users_omp_num_threads_is_kept",
                               "test_the_kl_and_dropout_flags_say_what_trl_does",
                               "test_bad_flags_are_one_line_before_any_work",

@@ -134,10 +134,11 @@ def test_a_row_in_parts_trains_as_the_same_row_written_as_text(tokenizers, tmp_p
 
 
 @pytest.mark.parametrize("recipe,column", [("finetune_causal_lm", "messages"), ("finetune_dpo", "chosen"),
-                                           ("finetune_grpo", "prompt")])
+                                           ("finetune_dpo", "prompt"), ("finetune_grpo", "prompt")])
 def test_a_part_a_text_model_cannot_take_is_one_line_naming_the_row(capsys, tmp_path, recipe, column):
     """An image part for a text-only model: one line naming the file, the row and the turn, before the tokenizer
-    loads (exit status 2)."""
+    loads (exit status 2). DPO's line named a prompt's part as in 'chosen', and counted a response's turns after the
+    prompt's."""
     rows = rows_for(recipe, 3, 1)
     rows[2][column][0]["content"] = [{"type": "text", "text": "what is this?"},
                                      {"type": "image_url", "image_url": {"url": "cat.png"}}]
@@ -147,10 +148,24 @@ def test_a_part_a_text_model_cannot_take_is_one_line_naming_the_row(capsys, tmp_
         load(recipe, "unused", train, validation, tmp_path)
     assert exc.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    turn_number = {"finetune_causal_lm": 1, "finetune_dpo": 3, "finetune_grpo": 1}[recipe]
-    assert errors == [f"error: --validation_file {validation}: row 3 has a part of type 'image_url' in turn {turn_number} of "
+    assert errors == [f"error: --validation_file {validation}: row 3 has a part of type 'image_url' in turn 1 of "
                       f"'{column}': the recipes train text-only models, which take text parts only "
                       '({"type": "text", "text": ...})'], errors
+
+
+def test_a_preference_rows_problem_names_the_column_and_turn_it_is_in():
+    """DPO checks a prompt's turns and a response's as one conversation: a problem in the prompt was named as in
+    'chosen', and a response's turns were counted after the prompt's."""
+    from common.inputs.pairs import pair_problem
+
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "alpha"}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "beta"}],
+           "rejected": [{"role": "assistant", "content": 3}]}
+    assert pair_problem(row, "prompt", "chosen", "rejected") == \
+        "has content 3 in turn 1 of 'rejected': give text or a list of text parts"
+    row["prompt"] = prompt[:1] + [{"role": "human", "content": "alpha"}]
+    assert pair_problem(row, "prompt", "chosen", "rejected") == \
+        "has role 'human' in turn 2 of 'prompt' (the roles are system, user, assistant, tool)"
 
 
 def test_extra_message_keys_reach_the_template_as_the_file_holds_them(tokenizers, tmp_path):

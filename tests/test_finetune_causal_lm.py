@@ -287,7 +287,7 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(sft, tmp_pat
      "--train_file {train}: row 6 has no 'completion' text"),
     ({"train": [{"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]},
                 {"messages": [{"role": "human", "content": "alpha"}, {"role": "assistant", "content": "beta"}]}]},
-     "--train_file {train}: row 2 has role 'human' in turn 1 (the roles are system, user, assistant, tool)"),
+     "--train_file {train}: row 2 has role 'human' in turn 1 of 'messages' (the roles are system, user, assistant, tool)"),
     ({"validation": [{"messages": [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]},
                      {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "alpha"}]}]},
      "--validation_file {validation}: row 2 has no assistant turn: nothing in it to learn"),

@@ -257,12 +257,15 @@ def test_the_default_rewards_and_a_misused_reward_are_one_line():
     got = RewardFunctions([answer_length], "prompt")(rows, list("wxyz"), [[1]] * 4, "train")
     assert got[:2].tolist() == [[1.0], [1.0]] and got[2:].isnan().all()
     for func, message in ((lambda prompts, completions, **kw: 1 / 0, "raised ZeroDivisionError: division by zero "
-                           "(on rows 5, 10 of the prompts)"),
+                           "(on rows 5, 10 of the train split's prompts)"),
                           (lambda prompts, completions, **kw: [1.0], "returned 1 values for 4 completions"),
-                          (lambda prompts, completions, **kw: [1.0, 2, 3, "good"], "returned 'good' for row 10"),
+                          (lambda prompts, completions, **kw: [1.0, 2, 3, "good"],
+                           "returned 'good' for row 10 of the train split's"),
                           (lambda prompts, completions, **kw: [1.0, math.inf, 3, 4], "returned inf for row 5")):
         with pytest.raises(RewardError, match=message.replace("(", r"\(").replace(")", r"\)")):
             RewardFunctions([func], "prompt")(rows, list("wxyz"), [[1]] * 4, "train")
+    with pytest.raises(RewardError, match=r"\(on row 5 of the validation split's prompts\)$"):  # was "rows 5"
+        RewardFunctions([lambda completions, **kw: 1 / 0], "prompt")(rows[:2], list("wx"), [[1]] * 2, "validation")
 
 
 TRL_SHAPES = '''
@@ -486,13 +489,33 @@ BAD = {
 }
 
 
-def test_the_kl_and_dropout_flags_say_what_trl_does(grpo, capsys, monkeypatch):
+def test_a_function_that_scored_nothing_has_no_std():
+    """A step where one function returned None for every completion: its `rewards/<func>/mean` was NaN but its std
+    0.0 (TRL's nanstd: NaN); the other function's figures stand."""
+    from accelerate import Accelerator
+
+    from common.inputs.rollouts import GroupMetrics
+
+    rewards = SimpleNamespace(names=["silent", "scored"], logged_metrics=lambda accelerator: {})
+    metrics = GroupMetrics(Accelerator(cpu=True), rewards, beta=0.0)
+    metrics.add_generation([{"completion_mask": torch.ones(4, 3), "truncated": torch.zeros(4)}], 1.0)
+    scores = torch.tensor([[math.nan, 1.0], [math.nan, 2.0], [math.nan, 3.0], [math.nan, 4.0]], dtype=torch.float64)
+    total = scores.nansum(1)
+    metrics.add_rewards(scores, total, torch.full((4,), total.std().item()), torch.zeros(4, dtype=torch.long))
+    row = metrics.row()
+    assert math.isnan(row["rewards/silent/mean"]) and math.isnan(row["rewards/silent/std"])
+    assert row["rewards/scored/mean"] == 2.5 and row["rewards/scored/std"] == pytest.approx(total.std().item())
+
+
+def test_the_kl_and_dropout_flags_say_what_trl_does(grpo, capsys, monkeypatch, tmp_path):
     """TRL 1.16's GRPOConfig: use_bias_correction_kl True by default (false turns it off, as HfArgumentParser reads
-    it); disable_dropout False, which --keep_dropout's help says (the recipe's default differs: docs/grpo.md)."""
+    it); disable_dropout False, which --keep_dropout's help says (the recipe's default differs: docs/grpo.md). From
+    a folder whose outputs/run holds a run (this test failed there)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    output_dir = a_used_default_output_dir(monkeypatch, tmp_path)
     grpo_script = load_script("finetune_grpo")
     flags = ["--model_name_or_path", grpo["model"], "--train_file", grpo["train"], "--num_generations", "4",
-             "--reward_funcs", f"{grpo['rewards']}:letters"]
+             "--reward_funcs", f"{grpo['rewards']}:letters", "--output_dir", output_dir]
     assert grpo_script.parse_args(flags).use_bias_correction_kl is True
     assert grpo_script.parse_args(flags + ["--use_bias_correction_kl"]).use_bias_correction_kl is True
     assert grpo_script.parse_args(flags + ["--use_bias_correction_kl", "false"]).use_bias_correction_kl is False

@@ -144,8 +144,8 @@ def pair_problem(row: dict, prompt_column: str, chosen_column: str, rejected_col
         return f"has the same '{chosen_column}' and '{rejected_column}': nothing to prefer"
     if not isinstance(prompt, str):
         for column, response in ((chosen_column, chosen), (rejected_column, rejected)):
-            problem = chat_problem(list(prompt) + list(response or []), column, len(prompt)) if response else \
-                f"has no chat turns in '{column}'"
+            problem = f"has no chat turns in '{column}'" if not response else \
+                chat_problem(list(prompt) + list(response), column, len(prompt), prompt_column)
             if problem or response[-1].get("role") != "assistant":
                 return problem or f"has no assistant turn at the end of '{column}': nothing to learn"
     return None

@@ -40,28 +40,33 @@ def rows_of(raw, columns: list[str], args: argparse.Namespace):
                 yield split, start + offset, values
 
 
-def chat_problem(messages, column: str, responses_from: int = 0, text_only: bool = True) -> str | None:
+def chat_problem(messages, column: str, responses_from: int = 0, prompt_column: str | None = None,
+                 text_only: bool = True) -> str | None:
     """What makes a row's chat turns untrainable, or None: an unknown role, no assistant turn, or an assistant turn
     from `responses_from` on with nothing in it (no text, no tool call), refused as an empty text response is; a part
-    that is not text too, unless the model takes it (`text_only=False`: a vision-language model's images)."""
+    that is not text too, unless the model takes it (`text_only=False`: a vision-language model's images). With
+    `prompt_column`, the turns before `responses_from` are that column's and the others are numbered from 1 in
+    `column` (DPO: a prompt's turns, then a response's)."""
     if isinstance(messages, str):
         return f"holds plain text in '{column}', where chat turns are expected"
     if not messages:
         return f"has no chat turns in '{column}'"
     for number, message in enumerate(messages, 1):
         role = message.get("role") if isinstance(message, dict) else None
+        turn, of = ((number, prompt_column) if number <= responses_from else
+                    (number - responses_from, column)) if prompt_column else (number, column)
         if role not in CHAT_ROLES:
-            return f"has role {role!r} in turn {number} (the roles are {', '.join(CHAT_ROLES)})"
+            return f"has role {role!r} in turn {turn} of '{of}' (the roles are {', '.join(CHAT_ROLES)})"
         content = message.get("content")
         if isinstance(content, list):
             other = next((part for part in content if text_only and not is_text_part(part)), None)
             if other is not None:
                 kind = f"a part of type {other.get('type')!r}" if isinstance(other, dict) else f"a part {other!r}"
-                return (f"has {kind} in turn {number} of '{column}': the recipes train text-only models, which take "
+                return (f"has {kind} in turn {turn} of '{of}': the recipes train text-only models, which take "
                         'text parts only ({"type": "text", "text": ...})')
             content = joined_text(content) if text_only else content
         elif content is not None and not isinstance(content, str):
-            return f"has content {content!r} in turn {number} of '{column}': give text or a list of text parts"
+            return f"has content {content!r} in turn {turn} of '{of}': give text or a list of text parts"
         if role == "assistant" and number > responses_from and not message.get("tool_calls") and \
                 not (content.strip() if isinstance(content, str) else content):
             return f"has an empty '{column}' response (turn {number - responses_from})"

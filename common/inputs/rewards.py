@@ -204,7 +204,8 @@ class RewardFunctions:
                    if key != self.prompt_column and key not in LEFT_OUT_COLUMNS}
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
                       trainer_state=self.trainer_state, log_extra=self.log_extra, log_metric=self.log_metric)
-        where = ", ".join(str(i + 1) for i in dict.fromkeys(row["__index__"] for row in rows))  # each prompt once
+        numbers = [str(i + 1) for i in dict.fromkeys(row["__index__"] for row in rows)]  # each prompt once
+        where = f"{'row' if len(numbers) == 1 else 'rows'} {', '.join(numbers)} of the {split} split's prompts"
         outputs = {}
         for j, func in enumerate(self.funcs):
             if not is_async_callable(func):
@@ -223,15 +224,13 @@ class RewardFunctions:
         try:
             return func(**kwargs)
         except Exception as e:
-            raise RewardError(f"reward function {self.names[j]} raised {type(e).__name__}: {e} (on rows {where} "
-                              "of the prompts)") from e
+            raise RewardError(f"reward function {self.names[j]} raised {type(e).__name__}: {e} (on {where})") from e
 
     async def await_one(self, j: int, kwargs: dict, where: str):
         try:
             return await self.funcs[j](**kwargs)
         except Exception as e:
-            raise RewardError(f"reward function {self.names[j]} raised {type(e).__name__}: {e} (on rows {where} "
-                              "of the prompts)") from e
+            raise RewardError(f"reward function {self.names[j]} raised {type(e).__name__}: {e} (on {where})") from e
 
     def checked(self, j: int, values, rows: list[dict]) -> torch.Tensor:
         """One function's values as floats (None and NaN: NaN); what TRL could not turn into a tensor, or an
@@ -246,7 +245,8 @@ class RewardFunctions:
                 value = value.item()
             if value is not None and (not isinstance(value, numbers.Real) or math.isinf(value)):
                 raise RewardError(f"reward function {name} returned {value!r} for row {row['__index__'] + 1} of "
-                                  "the prompts: give a finite number, or None for a completion it cannot score")
+                                  f"the {self.split} split's prompts: give a finite number, or None for a "
+                                  "completion it cannot score")
             out.append(math.nan if value is None else float(value))
         return torch.tensor(out, dtype=torch.float64)
 

@@ -130,7 +130,8 @@ class GroupMetrics:
         for name, (n, total, squares) in zip(self.names, zip(*[iter(per_function)] * 3)):
             mean = total / n if n else math.nan
             row[f"rewards/{name}/mean"] = mean
-            row[f"rewards/{name}/std"] = math.sqrt(max(squares - n * mean ** 2, 0) / (n - 1)) if n > 1 else 0.0
+            # TRL's nanstd: NaN for fewer than 2 scored values (a function that scored nothing has no spread of 0)
+            row[f"rewards/{name}/std"] = math.sqrt(max(squares - n * mean ** 2, 0) / (n - 1)) if n > 1 else math.nan
         seconds /= self.accelerator.num_processes  # each process's own generation time, summed
         return {**row, "completions/mean_length": length / completions,
                 "completions/min_length": extremes[:, 0].min().item(),
