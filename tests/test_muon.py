@@ -16,6 +16,8 @@ fp32, the same global batch of 8 from one saved tiny model: 1 process x 8, 1 x 1
 processes x 4 under DDP and FSDP2, and FSDP2 (2) x TP (2) on 4 processes end with the same weights (1e-5 relative;
 Newton-Schulz runs in fp32 on CPU; under FSDP2 and TP each matrix is gathered and orthogonalized whole); the FSDP2
 run's step-2 checkpoint (sharded Muon momentum) resumed ends with its weights exactly.
+DeepSpeed's own ZeRO Muon (its `original` scaling): 2 processes x 4 under ZeRO-2 and ZeRO-3 log the losses of one
+process x 8 under ZeRO-2 (1e-6) and end with its weights (1e-5 ZeRO-2, 5e-5 ZeRO-3: bf16 Newton-Schulz).
 """
 
 from __future__ import annotations
@@ -259,3 +261,43 @@ def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     assert "pass --muon_adjust_lr_fn original" in one_line_error(capsys, ["--optim", "muon", "--output_dir",
                                                                           str(tmp_path / "out")])
+
+
+
+@pytest.fixture(scope="module")
+def zero_muon_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
+    """DeepSpeed's own ZeRO Muon (`--optim muon --muon_adjust_lr_fn original`, its only scaling), fp32, 3 steps, global
+    batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under ZeRO-2 and
+    ZeRO-3. TORCH_COMPILE_DISABLE=1: DeepSpeed `torch.compile`s its Muon update (~80 s a process on this CPU), here the
+    same arithmetic runs eager; torch reads it at import, so the real launcher runs. OMP_NUM_THREADS=1 in every process
+    (the launcher's setting for 2): DeepSpeed's bf16 Newton-Schulz on 2 threads of a busy 2-core CPU is ~50x slower."""
+    d = tmp_path_factory.mktemp("zero_muon")
+
+    def run(name, config, processes, per_device):
+        run_script("pretrain_llama.py", "--model_name_or_path", init_model, "--train_file", corpus["train"],
+                   "--validation_file", corpus["validation"], "--block_size", "64", "--cache_dir", str(d / "cache"),
+                   "--output_dir", str(d / name), "--max_steps", "3", "--logging_steps", "1", "--optim", "muon",
+                   "--muon_adjust_lr_fn", "original", "--per_device_train_batch_size", str(per_device),
+                   "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--max_eval_samples", "4",
+                   "--sample_max_new_tokens", "0", launcher=launcher(config, processes),
+                   env={"TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+        losses = {r["step"]: r["loss"] for r in read_metrics(str(d / name)) if "loss" in r}
+        return losses, exported_weights(d / name)
+
+    return {"one": run("one", "deepspeed_zero2.yaml", 1, 8), "zero2": run("zero2", "deepspeed_zero2.yaml", 2, 4),
+            "zero3": run("zero3", "deepspeed_zero3.yaml", 2, 4)}
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_deepspeed_zero_muon_two_processes_equal_one(zero_muon_runs, name):
+    """2 processes under ZeRO-2 / ZeRO-3 log one process's losses (1e-6 relative) and end with its weights (ZeRO-2:
+    1e-5 relative, measured 7e-6; ZeRO-3: 5e-5, measured 1.9e-5): DeepSpeed's Muon orthogonalizes each whole matrix
+    (ZeRO-1/2 all-reduce a matrix split across partitions to the processes holding it, ZeRO-3 all-reduces whole
+    gradients), not a process's flattened partition. Its Newton-Schulz runs in bf16 on both sides (as DeepSpeed does
+    on any bf16 device, CPU included), so ZeRO-3's other summation order (~1e-7) flips a few bf16 roundings."""
+    (one_losses, one), (losses, weights) = zero_muon_runs["one"], zero_muon_runs[name]
+    assert sorted(losses) == [1, 2, 3] and losses == pytest.approx(one_losses, rel=1e-6)
+    errors = {k: (torch.linalg.norm(weights[k] - v) / torch.linalg.norm(v)).item() for k, v in one.items()}
+    worst = max(errors, key=errors.get)
+    print(f"{name}: max relative weight difference {errors[worst]:.1e} ({worst})")
+    assert errors[worst] <= {"zero2": 1e-5, "zero3": 5e-5}[name], f"{worst}: {errors[worst]:.1e}"

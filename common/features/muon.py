@@ -104,6 +104,9 @@ def muon_optimizer(args: argparse.Namespace, model: nn.Module, accelerator):
     if plugin is None:
         return create_muon_optimizer
     plugin.deepspeed_config["optimizer"] = deepspeed_muon_block(args)  # deepspeed.initialize tags the matrices
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:  # ZeRO-3's Muon refuses reduce-scatter (its default): all-reduce the whole gradients
+        zero["reduce_scatter"] = False
     return None
 
 
