@@ -63,7 +63,8 @@ def mixture_args(sources, names, weights, **extra):
 
     argv = ["--train_file", *[sources[n] for n in names], "--validation_file", *[sources[f"{n}-val"] for n in names],
             "--mixture_weights", *map(str, weights), "--tokenizer_name", sources["tokenizer"], "--block_size", "16",
-            "--cache_dir", os.path.join(sources["dir"], "cache")]
+            "--cache_dir", os.path.join(sources["dir"], "cache"),
+            "--output_dir", os.path.join(sources["dir"], "never")]  # not outputs/run: a user's run may be there
     for key, value in extra.items():
         argv += [f"--{key}"] + ([] if value is True else [str(value)])
     return pretrain.parse_args(argv)
@@ -235,7 +236,7 @@ def test_a_bad_mixture_file_is_one_line_naming_the_source(sources, capsys, yaml_
     path = os.path.join(sources["dir"], "bad.yaml")
     with open(path, "w") as f:
         f.write(yaml_text.format(**sources))
-    err = one_line_error(capsys, ["--dataset_mixture", path])
+    err = one_line_error(capsys, ["--dataset_mixture", path, "--output_dir", os.path.join(sources["dir"], "never")])
     prefix = "" if message.startswith("source '") else f"--dataset_mixture {path}: "
     assert err.startswith("error: " + prefix + message.format(**sources)), err
 
@@ -252,7 +253,8 @@ def test_a_mixture_file_trains_as_the_flags_do_and_a_source_without_text_is_one_
         f"  - path: {sources[n]}\n    columns: [text]\n    weight: {w}\n    validation_file: {sources[n + '-val']}\n"
         for n, w in (("long", 0.7), ("short", 0.3))))
     flags = mixture_args(sources, ("long", "short"), (0.7, 0.3))
-    from_file = pretrain.parse_args(["--dataset_mixture", str(mix), "--tokenizer_name", sources["tokenizer"]])
+    from_file = pretrain.parse_args(["--dataset_mixture", str(mix), "--tokenizer_name", sources["tokenizer"],
+                                     "--output_dir", str(tmp_path / "never")])
     assert read_sources(from_file) == read_sources(flags)
     empty = tmp_path / "blank.jsonl"
     empty.write_text('{"text": ""}\n' * 5)
