@@ -15,10 +15,10 @@ The headline part's dry run (about 70 s) runs its peer rows at the tiny size, th
 ours, the textbook loop, transformers' Trainer (the Liger row is CUDA only), the peer table, one profiled step and the
 GRPO row at the tiny size (ours alone where trl is not installed, as here); the 8B adapter rows are left out
 (perf_lora_8b runs in the full dry run). Each row's result must be on disk before the
-next row ends, and the peer rows' ratios must be their step times' quotients. Two long-context rows run as on the
-lent machine's torch 2.11, which has no F.linear_cross_entropy (the suite's process has it removed before it starts):
-they must train with the chunked loss's checkpointed chunks and say so. Every memory row's detail carries its peak and
-tools/estimate_memory.py's estimate for its run.
+next row ends, and the peer rows' ratios must be their step times' quotients. The long-context rows' label and flags
+as on the lent machine's torch 2.11, which has no F.linear_cross_entropy, are checked in-process (their plumbing is
+perf_long_op's in the full dry run). Every memory row's detail carries its peak and tools/estimate_memory.py's
+estimate for its run.
 """
 
 from __future__ import annotations
@@ -205,9 +205,6 @@ def test_a_gpu_part_on_a_cpu_is_refused_in_one_line(tmp_path):
 
 HEADLINE_SKIPPED_HERE = "perf_lora_8b,perf_qlora_8b"
 PEER_ROWS = {"perf_bf16_compile", "perf_plain_loop", "perf_trainer", "perf_peer_table", "perf_profile_step"}
-WITHOUT_CHUNKED_LOSS = ("import torch, torch.nn.functional as F; del F.linear_cross_entropy, "
-                        "torch.nn.LinearCrossEntropyOptions; import runpy; "
-                        "runpy.run_module('gpu_suite', run_name='__main__', alter_sys=True)")
 
 
 @pytest.fixture(scope="module")
@@ -364,35 +361,34 @@ def test_grpo_vs_trl_without_trl_here_is_one_line(capsys):
     assert args.trl_python == "/venv/bin/python" and not args.ours_only
 
 
-@pytest.fixture(scope="module")
-def long_dry_run(tmp_path_factory):
-    """Two long-context rows of part 2 as on a torch without F.linear_cross_entropy."""
-    d = tmp_path_factory.mktemp("long")
-    proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_CHUNKED_LOSS, "--part", "2", "--dry-run", "--only",
-         "perf_long_none,perf_long_full", "--work_dir", str(d / "work"), "--results_dir", str(d / "results"),
-         "--copy_to", str(d / "out")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    return proc, d
+def test_long_rows_on_a_torch_without_f_linear_cross_entropy_say_checkpointed_chunks(monkeypatch):
+    """The long-context rows as on the lent machine's torch 2.11 (no F.linear_cross_entropy): each says it trains with
+    the chunked loss's checkpointed chunks, runs --bf16 --chunked_cross_entropy, and its estimate orders as its
+    checkpointing does. Their plumbing runs in the full dry run (perf_long_op); the checkpointed chunks' numerics are
+    tests/test_chunked_loss.py's."""
+    import argparse
+    import importlib
 
+    import gpu_suite.performance as performance
+    from common.features import chunked_loss
+    from gpu_suite.suite import settings_for
 
-def test_long_rows_use_checkpointed_chunks_without_f_linear_cross_entropy(long_dry_run):
-    proc, d = long_dry_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = table(proc.stdout)
-    record = json.loads(next((d / "out").glob("*-part2.json")).read_text())
-    runs = {r["method"]: r for r in record["long_context"]}
-    assert sorted(runs) == ["long_full", "long_none"]  # no baseline among them
-    for name, method in (("perf_long_none", "long_none"), ("perf_long_full", "long_full")):
-        assert rows[name][0] == "PASS"
-        assert "chunked loss (checkpointed chunks: torch " in rows[name][1]
-        assert "has no F.linear_cross_entropy" in rows[name][1]
-        assert "--chunked_cross_entropy" in runs[method]["flags"] and "--bf16" in runs[method]["flags"]
-        assert math.isfinite(runs[method]["final_loss"]) and runs[method]["tokens_per_second"] > 0
-    details = {r["name"]: r["detail"] for r in record["rows"]}
-    assert details["perf_long_none"]["logits"] == "chunked"
-    assert_memory_figures(details, ("perf_long_none", "perf_long_full"))
-    # the estimate is the one function's, for the row's run: no checkpointing holds more than checkpointing
-    assert details["perf_long_none"]["estimate_bytes"] > details["perf_long_full"]["estimate_bytes"]
+    monkeypatch.delattr(torch.nn.functional, "linear_cross_entropy")
+    monkeypatch.setattr(chunked_loss, "OPTIONS", None)
+    try:
+        reloaded = importlib.reload(performance)
+        assert reloaded.CHUNKS == (f"chunked loss (checkpointed chunks: torch {torch.__version__} has no "
+                                   "F.linear_cross_entropy)")
+        methods = reloaded.perf_extra_methods(False, 8)
+        suite = argparse.Namespace(settings=settings_for(False))
+        for name in ("perf_long_none", "perf_long_full"):
+            method = reloaded.LONG_METHODS[name]
+            assert {"--chunked_cross_entropy", "--bf16"} <= set(methods[method]["flags"]), name
+        # the estimate is the one function's, for the row's run: no checkpointing holds more than checkpointing
+        assert reloaded.row_estimate(suite, "long_none") > reloaded.row_estimate(suite, "long_full") > 0
+    finally:
+        monkeypatch.undo()
+        importlib.reload(performance)
 
 
 def assert_memory_figures(details: dict, names: tuple[str, ...]) -> None:
