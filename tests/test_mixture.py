@@ -383,6 +383,30 @@ def test_a_changed_mixture_is_refused_and_continues_as_a_second_stage(runs, sour
     assert added["train_tokens/short"] > added["train_tokens/long"]  # the new weights
 
 
+
+@pytest.mark.parametrize("engine,extra", [
+    ("deepspeed_zero3.yaml", ()),
+    ("fsdp2.yaml", ("--async_checkpointing", "--chunked_cross_entropy", "--torch_compile", "--torch_compile_backend",
+                    "aot_eager")),  # aot_eager: dynamo's graphs without building kernels (tests/test_compile.py)
+], ids=["zero3", "fsdp2-async-chunked-compiled"])
+def test_a_mixture_trains_as_one_process_under_every_engine(runs, sources, engine, extra):
+    """2 processes x 4 under ZeRO-3 (ds_configs/zero3.json) and under FSDP2 with asynchronous checkpoints, the chunked
+    loss and compiled layers train as 1 x 8 (test_distributed.py's tolerances: losses and gradient norms 1e-5,
+    weights 1e-4 relative); the per-source figures are the same rows (tokens equal, held-out losses 1e-5)."""
+    d, _ = runs
+    out = d / engine.removesuffix(".yaml")
+    fsdp = ["--mixed_precision", "no"] if engine.startswith("fsdp") else []  # the launcher's flag beats the config's
+    run_script("pretrain_llama.py", *run_args(sources, out, "--per_device_train_batch_size", "4", *extra),
+               launcher=launcher(engine) + fsdp)
+    print(engine, assert_same_training(out, d / "one", steps=range(1, STEPS + 1)))
+    one, other = read_metrics(str(d / "one")), read_metrics(str(out))
+    assert [r.keys() for r in one] == [r.keys() for r in other]
+    for a, b in zip(one, other):
+        assert {k: v for k, v in a.items() if k.startswith("train_tokens/")} == {
+            k: v for k, v in b.items() if k.startswith("train_tokens/")}
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a if k.startswith("eval_loss"))
+    assert (out / "checkpoints" / f"step_{STEPS}").is_dir()  # the last (asynchronous) checkpoint was published
+
 # ---- the streaming path, end to end --------------------------------------------------------------------------------
 def assert_trains_as(run_dir, reference_dir, steps) -> str:
     """Losses 1e-6 and weights 1e-5 relative (each tensor's Frobenius norm; fp32), the per-source token counts equal."""

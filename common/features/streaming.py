@@ -1,9 +1,9 @@
 """`--streaming`: the corpus read as a `datasets` IterableDataset, tokenized and packed on the fly, resumable exactly.
 
-Nothing is tokenized up front and nothing goes to the datasets cache. Each process takes its own share of the
-documents (whole shards when their number divides by the process count, else every N-th document), tokenizes and
-packs it with the map-style path's functions (`common/inputs/data.py`), and batches it with torchdata's
-StatefulDataLoader. One pass over a process's share is one epoch of that process. Documents come in stream order,
+Nothing is tokenized up front and nothing goes to the datasets cache. Every process reads the whole stream, tokenizes
+and packs it with the map-style path's functions (`common/inputs/data.py`), mixes its sources, keeps every N-th block
+(N processes) and batches them with torchdata's StatefulDataLoader: the same global batches for any process count.
+One pass over a process's share is one epoch of that process. Documents come in stream order,
 every pass: `datasets` does not checkpoint a shuffle buffer's content (a resume would drop it), so there is no
 shuffle buffer; shuffle the corpus beforehand.
 
@@ -26,7 +26,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from datasets import Dataset, IterableDataset, IterableDatasetDict, interleave_datasets, load_dataset
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase, default_data_collator
@@ -88,18 +87,17 @@ def packed_blocks(documents: IterableDataset, args: argparse.Namespace, tokenize
             .map(block_packer(block_size), batched=True))
 
 
-def process_share(train: IterableDataset, rank: int, world_size: int) -> IterableDataset:
-    """This process's documents: each document goes to exactly one process per pass, before any tokenizing.
+def process_blocks(blocks: IterableDataset, rank: int, world_size: int) -> IterableDataset:
+    """This process's blocks: every `world_size`-th block of the one stream every process reads, from the `rank`-th.
 
-    Whole shards when their number divides by the process count; else every `world_size`-th document. (For the
-    latter, `split_dataset_by_node` strides over what comes out of the whole pipeline: every process would tokenize
-    every document and keep every N-th packed block.)
+    Split after tokenizing, packing and mixing, so that the global batches (consecutive blocks of that one stream) are
+    the same for any process count and accumulation: 2 processes x 4 train as 1 x 8. The price: every process
+    tokenizes every document. (Split by document, before tokenizing, each process packed and mixed its own documents:
+    other blocks, and another draw of sources, for each process count.)
     """
     if world_size == 1:
-        return train
-    if train.n_shards % world_size == 0:
-        return split_dataset_by_node(train, rank=rank, world_size=world_size)
-    return train.filter(lambda _, index: index % world_size == rank, with_indices=True)
+        return blocks
+    return blocks.filter(lambda _, index: index % world_size == rank, with_indices=True)
 
 
 def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, sources: list[Source],
@@ -227,9 +225,9 @@ def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resu
                  "tokens; use more data, a larger --max_eval_samples or a smaller --block_size")
         eval_loaders.append(DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs))
     mixture = Mixture(sources, None, args.mixture_stopping, args.seed)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    blocks = mix_streams([packed_blocks(process_share(train, rank, world_size), a, tokenizer, args.block_size)
-                          for a, (train, _) in zip(per_source, streams)], mixture)
+    blocks = mix_streams([packed_blocks(train, a, tokenizer, args.block_size) for a, (train, _) in
+                          zip(per_source, streams)], mixture)
+    blocks = process_blocks(blocks, accelerator.process_index, accelerator.num_processes)
     # Its own generator: a new iterator then draws its seed from it, not from the global RNG that dropout uses (a
     # resumed run creates one after the checkpoint's RNG is restored; from that RNG, every later mask would change).
     train_loader = StreamingLoader(accelerator, StatefulDataLoader(
