@@ -406,6 +406,7 @@ def test_a_mixture_trains_as_one_process_under_every_engine(runs, sources, engin
             k: v for k, v in b.items() if k.startswith("train_tokens/")}
         assert all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a if k.startswith("eval_loss"))
     assert (out / "checkpoints" / f"step_{STEPS}").is_dir()  # the last (asynchronous) checkpoint was published
+    assert "--torch_compile" not in extra or json.loads((out / "all_results.json").read_text())["compiled_graphs"]
 
 # ---- the streaming path, end to end --------------------------------------------------------------------------------
 def assert_trains_as(run_dir, reference_dir, steps) -> str:
