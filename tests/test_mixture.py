@@ -139,14 +139,13 @@ def test_streaming_shares_are_within_two_percent(sources):
     from transformers import AutoTokenizer, default_data_collator
 
     from common.features.streaming import StreamingLoader, load_streams, mix_streams, packed_blocks
-    from common.inputs.mixture import Mixture, read_sources, source_args
+    from common.inputs.mixture import Mixture, read_sources
 
     tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), fresh_accelerator()
     for names, weights in ((("long", "short"), (0.7, 0.3)), (("long", "short", "mid"), (0.2, 0.5, 0.3))):
         args = mixture_args(sources, names, weights, streaming=True, max_steps=1)
         found = read_sources(args)
-        per_source = [source_args(args, s) for s in found]
-        blocks = [packed_blocks(load_streams(a)[0], a, tokenizer, 8) for a in per_source]
+        blocks = [packed_blocks(load_streams(s, 0, None, None)[0], s, tokenizer, 8) for s in found]
         stream = StreamingLoader(accelerator, StatefulDataLoader(
             mix_streams(blocks, Mixture(found, None, "repeat", 42)), batch_size=100, collate_fn=default_data_collator),
             len(names))
@@ -165,14 +164,14 @@ def test_a_streamed_mixture_resumes_at_any_batch(sources, tmp_path):
     from transformers import AutoTokenizer, default_data_collator
 
     from common.features.streaming import StreamingLoader, load_streams, mix_streams, packed_blocks
-    from common.inputs.mixture import Mixture, read_sources, source_args
+    from common.inputs.mixture import Mixture, read_sources
 
     tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), fresh_accelerator()
     args = mixture_args(sources, ("long", "short"), (0.7, 0.3), streaming=True, max_steps=1)
     found = read_sources(args)
 
     def new_stream() -> StreamingLoader:
-        blocks = [packed_blocks(load_streams(a)[0], a, tokenizer, 16) for a in (source_args(args, s) for s in found)]
+        blocks = [packed_blocks(load_streams(s, 0, None, None)[0], s, tokenizer, 16) for s in found]
         return StreamingLoader(accelerator, StatefulDataLoader(mix_streams(blocks, Mixture(found, None, "repeat", 3)),
                                                                batch_size=8, collate_fn=default_data_collator), 2)
 
