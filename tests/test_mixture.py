@@ -1,6 +1,7 @@
 """Pretraining on a weighted mixture of corpora (common/inputs/mixture.py, docs/mixtures.md): each source's share of
-training tokens, equal training for any split of the global batch, exact resume (killed twice, and from 2 processes on
-1), a second data stage, per-source figures, and bad mixtures in one line.
+training tokens, equal training for any split of the global batch and under ZeRO-3 and FSDP2, exact resume (killed
+twice, and from 2 processes on 1 and 1 on 2), the same for a streamed mixture (split and killed), a second data stage,
+per-source figures, and bad mixtures in one line.
 
 Sources of unequal document lengths: `long` (200-400 words a document) and `short` (5-30), and `mid` for three."""
 
