@@ -37,8 +37,7 @@ from common.errors import fail  # noqa: E402
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args  # noqa: E402
 from common.features.streaming import load_streams, mix_streams, packed_blocks  # noqa: E402
 from common.inputs.data import build_default_corpus, train_bpe_tokenizer  # noqa: E402
-from common.inputs.mixture import (Mixture, add_mixture_args, load_mixed_blocks, read_sources,  # noqa: E402
-                                   source_args)
+from common.inputs.mixture import Mixture, add_mixture_args, load_mixed_blocks, read_sources  # noqa: E402
 
 BLOCK, BATCH = 256, 8
 
@@ -101,8 +100,8 @@ def time_streaming(args, tokenizer, blocks: int) -> float:
     documents (three sources hold three batches in flight, one source one) evens out over passes."""
     start = time.perf_counter()
     sources = read_sources(args)
-    per_source = [source_args(args, s) for s in sources]
-    streams = [packed_blocks(load_streams(a)[0], a, tokenizer, BLOCK) for a in per_source]
+    streams = [packed_blocks(load_streams(s, args.validation_split_percentage, None, None)[0], s, tokenizer, BLOCK)
+               for s in sources]
     mixed = mix_streams(streams, Mixture(sources, None, "repeat", args.seed))
     loader = StatefulDataLoader(mixed if len(sources) > 1 else mixed.repeat(None), batch_size=BATCH,
                                 collate_fn=default_data_collator)

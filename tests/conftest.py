@@ -273,7 +273,7 @@ FAST = {
     "test_lora.py": {"test_the_wrapped_model_starts_as_the_base", "test_estimator_counts_the_adapter_and_the_4bit_base",
                      "test_the_adapter_names_a_local_base_by_its_absolute_path",
                      "test_adapter_inputs_stay_16bit_and_train_the_same_adapter"},
-    "test_streaming.py": {"test_each_document_once_per_pass", "test_loader_resumes_at_every_batch"},
+    "test_streaming.py": {"test_each_block_once_per_pass_over_the_processes", "test_loader_resumes_at_every_batch"},
     "test_mixture.py": {"test_map_style_shares_hold_at_every_step_and_sources_repeat_reshuffled",
                         "test_streaming_shares_are_within_two_percent", "test_a_streamed_mixture_resumes_at_any_batch",
                         "test_a_bad_mixture_is_one_line_before_any_work",

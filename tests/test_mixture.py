@@ -1,6 +1,7 @@
 """Pretraining on a weighted mixture of corpora (common/inputs/mixture.py, docs/mixtures.md): each source's share of
-training tokens, equal training for any split of the global batch, exact resume (killed twice, and from 2 processes on
-1), a second data stage, per-source figures, and bad mixtures in one line.
+training tokens, equal training for any split of the global batch and under ZeRO-3 and FSDP2, exact resume (killed
+twice, and from 2 processes on 1 and 1 on 2), the same for a streamed mixture (split and killed), a second data stage,
+per-source figures, and bad mixtures in one line.
 
 Sources of unequal document lengths: `long` (200-400 words a document) and `short` (5-30), and `mid` for three."""
 
@@ -14,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import SCRIPTS, launcher, read_metrics, run_script
 from test_crash_safety import newest_complete_step, sigkill, start, wait_for, weights_diff
@@ -138,14 +140,13 @@ def test_streaming_shares_are_within_two_percent(sources):
     from transformers import AutoTokenizer, default_data_collator
 
     from common.features.streaming import StreamingLoader, load_streams, mix_streams, packed_blocks
-    from common.inputs.mixture import Mixture, read_sources, source_args
+    from common.inputs.mixture import Mixture, read_sources
 
     tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), fresh_accelerator()
     for names, weights in ((("long", "short"), (0.7, 0.3)), (("long", "short", "mid"), (0.2, 0.5, 0.3))):
         args = mixture_args(sources, names, weights, streaming=True, max_steps=1)
         found = read_sources(args)
-        per_source = [source_args(args, s) for s in found]
-        blocks = [packed_blocks(load_streams(a)[0], a, tokenizer, 8) for a in per_source]
+        blocks = [packed_blocks(load_streams(s, 0, None, None)[0], s, tokenizer, 8) for s in found]
         stream = StreamingLoader(accelerator, StatefulDataLoader(
             mix_streams(blocks, Mixture(found, None, "repeat", 42)), batch_size=100, collate_fn=default_data_collator),
             len(names))
@@ -164,14 +165,14 @@ def test_a_streamed_mixture_resumes_at_any_batch(sources, tmp_path):
     from transformers import AutoTokenizer, default_data_collator
 
     from common.features.streaming import StreamingLoader, load_streams, mix_streams, packed_blocks
-    from common.inputs.mixture import Mixture, read_sources, source_args
+    from common.inputs.mixture import Mixture, read_sources
 
     tokenizer, accelerator = AutoTokenizer.from_pretrained(sources["tokenizer"]), fresh_accelerator()
     args = mixture_args(sources, ("long", "short"), (0.7, 0.3), streaming=True, max_steps=1)
     found = read_sources(args)
 
     def new_stream() -> StreamingLoader:
-        blocks = [packed_blocks(load_streams(a)[0], a, tokenizer, 16) for a in (source_args(args, s) for s in found)]
+        blocks = [packed_blocks(load_streams(s, 0, None, None)[0], s, tokenizer, 16) for s in found]
         return StreamingLoader(accelerator, StatefulDataLoader(mix_streams(blocks, Mixture(found, None, "repeat", 3)),
                                                                batch_size=8, collate_fn=default_data_collator), 2)
 
@@ -284,7 +285,8 @@ def rows(output_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(sources, dropout_config, tmp_path_factory):
-    """1 x 8 (the reference), 2 x 4, and 2 x 4's checkpoint at step 2 continued by 1 process x 8 accumulation; with
+    """1 x 8 (the reference), 2 x 4, 2 x 4's checkpoint at step 2 continued by 1 process x 8 accumulation and 1 x 8's
+    continued by 2 processes x 4; with
     dropout: an uninterrupted run and one SIGKILLed twice at steps drawn from a fixed seed, resumed each time."""
     d = tmp_path_factory.mktemp("mixture-runs")
     run_script("pretrain_llama.py", *run_args(sources, d / "one", "--per_device_train_batch_size", "8"))
@@ -294,12 +296,21 @@ def runs(sources, dropout_config, tmp_path_factory):
     run_script("pretrain_llama.py", *run_args(sources, d / "two_to_one", "--per_device_train_batch_size", "1",
                                               "--gradient_accumulation_steps", "8", "--resume_from_checkpoint",
                                               "latest"))
+    shutil.copytree(d / "one" / "checkpoints" / "step_2", d / "one_to_two" / "checkpoints" / "step_2")
+    run_script("pretrain_llama.py", *run_args(sources, d / "one_to_two", "--per_device_train_batch_size", "4",
+                                              "--resume_from_checkpoint", "latest"), launcher=launcher("cpu_2proc.yaml"))
+    return d, killed_twice_and_resumed(sources, dropout_config, d)
+
+
+def killed_twice_and_resumed(sources, dropout_config, d, *extra: str) -> list[int]:
+    """With dropout, 1 x 8: `d/full` uninterrupted, `d/killed` SIGKILLed twice after checkpoints at steps drawn from a
+    fixed seed (in the middle of later steps) and resumed each time; returns the steps the kills resumed from."""
     dropout = ("--config_name", dropout_config, "--per_device_train_batch_size", "8", "--resume_from_checkpoint",
-               "auto")
+               "auto", *extra)
     run_script("pretrain_llama.py", *run_args(sources, d / "full", *dropout))
     cmd = [sys.executable, os.path.join(SCRIPTS, "pretrain_llama.py"), *run_args(sources, d / "killed", *dropout)]
     rng, kills = random.Random(5), []
-    for low, high in ((1, 3), (4, 6)):  # each kill after a checkpoint at a drawn step, in the middle of later steps
+    for low, high in ((1, 3), (4, 6)):
         at = max(rng.randint(low, high), kills[-1] + 1 if kills else 0)
         proc = start(cmd, str(d / "killed.log"))
         assert wait_for(proc, lambda: newest_complete_step(d / "killed") >= at), "the run ended before the kill"
@@ -307,15 +318,17 @@ def runs(sources, dropout_config, tmp_path_factory):
         kills.append(newest_complete_step(d / "killed"))
     proc = start(cmd, str(d / "killed.log"))
     assert proc.wait(timeout=300) == 0, (d / "killed.log").read_text()[-3000:]
-    return d, kills
+    return kills
 
 
 def test_processes_and_accumulation_train_as_one_batch(runs):
-    """2 processes x 4 and (from 2 x 4's checkpoint) 1 process x 8 accumulation equal 1 x 8: losses and gradient
-    norms 1e-5 relative, weights 1e-5 relative; the per-source figures are the same rows."""
+    """2 processes x 4, and from a step-2 checkpoint the other way round (2 x 4's continued by 1 process x 8
+    accumulation, 1 x 8's by 2 processes x 4), equal 1 x 8 from the next step on: losses and gradient norms 1e-5
+    relative, weights 1e-4 (test_distributed.py's tolerances); the per-source figures are the same rows."""
     d, _ = runs
     print(assert_same_training(d / "two", d / "one", steps=range(1, STEPS + 1)))
-    print(assert_same_training(d / "two_to_one", d / "one", steps=range(EVERY + 1, STEPS + 1)))
+    for resumed in ("two_to_one", "one_to_two"):
+        print(resumed, assert_same_training(d / resumed, d / "one", steps=range(EVERY + 1, STEPS + 1)))
     one, two = read_metrics(str(d / "one")), read_metrics(str(d / "two"))
     assert [r.keys() for r in one] == [r.keys() for r in two] and len(one) == STEPS + 2
     for a, b in zip(one, two):
@@ -323,8 +336,9 @@ def test_processes_and_accumulation_train_as_one_batch(runs):
             k: v for k, v in b.items() if k.startswith("train_tokens/")}
         assert all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a if k.startswith("eval_loss/"))
     resumed = [{k: v for k, v in r.items() if k.startswith("train_tokens/")} for r in read_metrics(str(d / "one"))]
-    assert resumed[EVERY:] == [{k: v for k, v in r.items() if k.startswith("train_tokens/")}
-                               for r in read_metrics(str(d / "two_to_one"))]
+    for elastic in ("two_to_one", "one_to_two"):
+        assert resumed[EVERY:] == [{k: v for k, v in r.items() if k.startswith("train_tokens/")}
+                                   for r in read_metrics(str(d / elastic))]
 
 
 def test_killed_twice_and_resumed_ends_as_the_uninterrupted_run(runs):
@@ -367,3 +381,79 @@ def test_a_changed_mixture_is_refused_and_continues_as_a_second_stage(runs, sour
     added = {k: last[k] - at_checkpoint[k] for k in ("train_tokens/long", "train_tokens/short")}
     assert sum(added.values()) == EVERY * 8 * 32
     assert added["train_tokens/short"] > added["train_tokens/long"]  # the new weights
+
+
+
+@pytest.mark.parametrize("engine,extra", [
+    ("deepspeed_zero3.yaml", ()),
+    ("fsdp2.yaml", ("--async_checkpointing", "--chunked_cross_entropy", "--torch_compile", "--torch_compile_backend",
+                    "aot_eager")),  # aot_eager: dynamo's graphs without building kernels (tests/test_compile.py)
+], ids=["zero3", "fsdp2-async-chunked-compiled"])
+def test_a_mixture_trains_as_one_process_under_every_engine(runs, sources, engine, extra):
+    """2 processes x 4 under ZeRO-3 (ds_configs/zero3.json) and under FSDP2 with asynchronous checkpoints, the chunked
+    loss and compiled layers train as 1 x 8 (test_distributed.py's tolerances: losses and gradient norms 1e-5,
+    weights 1e-4 relative); the per-source figures are the same rows (tokens equal, held-out losses 1e-5)."""
+    d, _ = runs
+    out = d / engine.removesuffix(".yaml")
+    fsdp = ["--mixed_precision", "no"] if engine.startswith("fsdp") else []  # the launcher's flag beats the config's
+    run_script("pretrain_llama.py", *run_args(sources, out, "--per_device_train_batch_size", "4", *extra),
+               launcher=launcher(engine) + fsdp)
+    print(engine, assert_same_training(out, d / "one", steps=range(1, STEPS + 1)))
+    one, other = read_metrics(str(d / "one")), read_metrics(str(out))
+    assert [r.keys() for r in one] == [r.keys() for r in other]
+    for a, b in zip(one, other):
+        assert {k: v for k, v in a.items() if k.startswith("train_tokens/")} == {
+            k: v for k, v in b.items() if k.startswith("train_tokens/")}
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a if k.startswith("eval_loss"))
+    assert (out / "checkpoints" / f"step_{STEPS}").is_dir()  # the last (asynchronous) checkpoint was published
+    assert "--torch_compile" not in extra or json.loads((out / "all_results.json").read_text())["compiled_graphs"]
+
+# ---- the streaming path, end to end --------------------------------------------------------------------------------
+def assert_trains_as(run_dir, reference_dir, steps) -> str:
+    """Losses 1e-6 and weights 1e-5 relative (each tensor's Frobenius norm; fp32), the per-source token counts equal."""
+    from test_distributed import exported_weights, train_rows
+
+    run, ref = train_rows(run_dir), train_rows(reference_dir)
+    assert sorted(run) == list(steps)
+    for step in steps:
+        assert run[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), f"loss at step {step}"
+        tokens = {k: v for k, v in ref[step].items() if k.startswith("train_tokens/")}
+        assert tokens and {k: run[step][k] for k in tokens} == tokens, f"tokens per source at step {step}"
+    weights, ref_weights = exported_weights(run_dir), exported_weights(reference_dir)
+    errors = {name: (torch.linalg.norm(w - ref_weights[name]) / torch.linalg.norm(ref_weights[name])).item()
+              for name, w in weights.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"{worst}: relative difference {errors[worst]:.1e}"
+    return f"max relative loss difference {max(abs(run[s]['loss'] / ref[s]['loss'] - 1) for s in steps):.1e}, " \
+           f"max relative weight difference {errors[worst]:.1e}"
+
+
+@pytest.fixture(scope="module")
+def streamed(sources, dropout_config, tmp_path_factory):
+    """`--streaming`: 1 x 8 (the reference), 2 processes x 4 and 1 x 1 x 8 accumulation; with dropout, an
+    uninterrupted run and one SIGKILLed twice and resumed."""
+    d = tmp_path_factory.mktemp("mixture-streamed")
+    run_script("pretrain_llama.py", *run_args(sources, d / "one", "--streaming", "--per_device_train_batch_size", "8"))
+    run_script("pretrain_llama.py", *run_args(sources, d / "two", "--streaming", "--per_device_train_batch_size", "4"),
+               launcher=launcher("cpu_2proc.yaml"))
+    run_script("pretrain_llama.py", *run_args(sources, d / "accumulated", "--streaming", "--per_device_train_batch_size",
+                                              "1", "--gradient_accumulation_steps", "8"))
+    return d, killed_twice_and_resumed(sources, dropout_config, d, "--streaming")
+
+
+def test_a_streamed_mixture_trains_as_one_batch_on_any_split(streamed):
+    """Streaming: 2 processes x 4 and 1 process x 8 accumulation equal 1 x 8 (losses 1e-6, weights 1e-5 relative,
+    fp32), with the same tokens per source at every step."""
+    d, _ = streamed
+    for run in ("two", "accumulated"):
+        print(run, assert_trains_as(d / run, d / "one", range(1, STEPS + 1)))
+
+
+def test_a_streamed_mixture_killed_twice_and_resumed_ends_as_the_uninterrupted_run(streamed):
+    """Streaming, dropout on: SIGKILL at two drawn steps, resumed each time from the newest checkpoint: the same
+    weights (0.0) and the same metric rows (per-source tokens and held-out losses included)."""
+    d, kills = streamed
+    assert kills[0] >= 1 and kills[1] > kills[0]
+    assert weights_diff(d / "killed", d / "full") == 0.0
+    assert rows(d / "killed") == rows(d / "full")
+    assert {k for k in rows(d / "full")[-1] if "/" in k} >= {"eval_loss/long", "eval_loss/short"}

@@ -1,9 +1,9 @@
-"""`--streaming` (common/features/streaming.py): each document once per pass over all processes, exact mid-run resume.
+"""`--streaming` (common/features/streaming.py): the same blocks on any process count, exact mid-run resume.
 
 Properties:
-- coverage: the processes' shares of the stream partition the documents (each one exactly once, none held out for
-  validation among them), for one file (split document by document) and for two (split by shard); a process's
-  packed blocks are exactly its documents' tokens in order, less the tail shorter than a block;
+- coverage: the packed blocks are exactly the documents' tokens in order, less the tail shorter than a block, none
+  held out for validation among them; two processes' blocks, taken in turn, are the one-process stream's (one file
+  and two shards);
 - in-process, the stream's loader saved after any batch of a pass (the last one too) and restored into a new one goes
   on with the uninterrupted batches and passes, with and without loader workers;
 - resume = uninterrupted, with 1 and 2 processes: a run stopped at step K (a fresh folder holding only the step-K
@@ -17,7 +17,6 @@ Properties:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -63,10 +62,13 @@ def stream_corpus(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-def stream_args(**overrides) -> argparse.Namespace:
-    values = dict(dataset_name=None, train_file=None, validation_file=None, text_column="text", max_eval_samples=None,
-                  max_train_samples=None, cache_dir=None, validation_split_percentage=20)
-    return argparse.Namespace(**{**values, **overrides})
+def source(train_file: str | None = None, validation_file: str | None = None):
+    from common.inputs.mixture import Source
+
+    return Source("train", 1.0, train_file, validation_file)
+
+
+HELD_OUT = (20, None, None)  # --validation_split_percentage 20, no --max_train_samples, no --max_eval_samples
 
 
 def doc_ids(documents) -> list[int]:
@@ -74,50 +76,51 @@ def doc_ids(documents) -> list[int]:
 
 
 @pytest.mark.parametrize("files", [["train"], ["part0", "part1"]], ids=["one-file", "two-shards"])
-def test_each_document_once_per_pass(stream_corpus, files):
+def test_each_block_once_per_pass_over_the_processes(stream_corpus, files):
+    """Two processes' blocks, taken in turn, are the one-process stream's blocks: the same global batches."""
     from datasets import load_dataset
+    from transformers import AutoTokenizer
 
-    from common.features.streaming import process_share
+    from common.features.streaming import packed_blocks, process_blocks
 
+    tokenizer = AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
     stream = load_dataset("json", data_files=[stream_corpus[f] for f in files], streaming=True)["train"]
-    shares = [doc_ids(process_share(stream, rank, 2)) for rank in range(2)]
-    assert sorted(shares[0] + shares[1]) == list(range(N_DOCS))  # every document once, over both processes
-    assert min(len(s) for s in shares) >= N_DOCS // 2 - 1
+    blocks = packed_blocks(stream, source(), tokenizer, 64)
+    whole = [row["input_ids"] for row in blocks]
+    shares = [[row["input_ids"] for row in process_blocks(blocks, rank, 2)] for rank in range(2)]
+    assert shares == [whole[0::2], whole[1::2]] and len(whole) > 20
 
 
 def test_held_out_documents_are_not_trained_on(stream_corpus):
     from datasets import load_dataset
 
-    from common.features.streaming import load_streams, process_share, split_streams
+    from common.features.streaming import load_streams, split_streams
 
-    _, validation = load_streams(stream_args(train_file=stream_corpus["train"]))  # 20 % held out, by hash
+    _, validation = load_streams(source(stream_corpus["train"]), *HELD_OUT)  # 20 % held out, by hash
     held = doc_ids(validation)
     assert 10 <= len(held) <= 30
-    for files in (["train"], ["part0", "part1"]):  # then split by document, and by shard
+    for files in (["train"], ["part0", "part1"]):  # one file, and two shards
         raw = load_dataset("json", data_files={"train": [stream_corpus[f] for f in files]}, streaming=True)
-        train, _ = split_streams(raw, stream_args())
-        trained = [i for rank in range(2) for i in doc_ids(process_share(train, rank, 2))]
+        train, _ = split_streams(raw, "text", *HELD_OUT)
+        trained = doc_ids(train)
         assert not set(held) & set(trained) and sorted(held + trained) == list(range(N_DOCS))
-    train, validation = load_streams(stream_args(train_file=stream_corpus["train"],
-                                                 validation_file=stream_corpus["validation"]))
+    train, validation = load_streams(source(stream_corpus["train"], stream_corpus["validation"]), *HELD_OUT)
     assert doc_ids(train) == list(range(N_DOCS)) and doc_ids(validation) == list(range(N_DOCS, N_DOCS + 20))
 
 
-def test_blocks_are_the_share_tokens_in_order(stream_corpus):
+def test_blocks_are_the_stream_tokens_in_order(stream_corpus):
     from transformers import AutoTokenizer
 
-    from common.features.streaming import load_streams, packed_blocks, process_share
+    from common.features.streaming import load_streams, packed_blocks
 
-    args = stream_args(train_file=stream_corpus["train"], validation_file=stream_corpus["validation"])
+    args = source(stream_corpus["train"], stream_corpus["validation"])
     tokenizer = AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
-    train, _ = load_streams(args)
-    for rank in range(2):
-        share = process_share(train, rank, 2)
-        tokens = [t for row in share for t in tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]]
-        rows = list(packed_blocks(share, args, tokenizer, 64))
-        assert all(row["labels"] == row["input_ids"] for row in rows)
-        blocks = [row["input_ids"] for row in rows]
-        assert [t for b in blocks for t in b] == tokens[:len(blocks) * 64] and len(tokens) - len(blocks) * 64 < 64
+    train, _ = load_streams(args, *HELD_OUT)
+    tokens = [t for row in train for t in tokenizer(row["text"])["input_ids"] + [tokenizer.eos_token_id]]
+    rows = list(packed_blocks(train, args, tokenizer, 64))
+    assert all(row["labels"] == row["input_ids"] for row in rows)
+    blocks = [row["input_ids"] for row in rows]
+    assert [t for b in blocks for t in b] == tokens[:len(blocks) * 64] and len(tokens) - len(blocks) * 64 < 64
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -133,7 +136,7 @@ def test_loader_resumes_at_every_batch(stream_corpus, tmp_path, workers):
 
     accelerator, tokenizer = Accelerator(cpu=True), AutoTokenizer.from_pretrained(stream_corpus["tokenizer"])
     docs = load_dataset("json", data_files=[stream_corpus["part0"], stream_corpus["part1"]], streaming=True)["train"]
-    args = stream_args(train_file=stream_corpus["part0"])
+    args = source(stream_corpus["part0"])
 
     def new_stream() -> StreamingLoader:
         blocks = packed_blocks(docs, args, tokenizer, 64)

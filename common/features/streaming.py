@@ -1,9 +1,9 @@
 """`--streaming`: the corpus read as a `datasets` IterableDataset, tokenized and packed on the fly, resumable exactly.
 
-Nothing is tokenized up front and nothing goes to the datasets cache. Each process takes its own share of the
-documents (whole shards when their number divides by the process count, else every N-th document), tokenizes and
-packs it with the map-style path's functions (`common/inputs/data.py`), and batches it with torchdata's
-StatefulDataLoader. One pass over a process's share is one epoch of that process. Documents come in stream order,
+Nothing is tokenized up front and nothing goes to the datasets cache. Every process reads the whole stream, tokenizes
+and packs it with the map-style path's functions (`common/inputs/data.py`), mixes its sources, keeps every N-th block
+(N processes) and batches them with torchdata's StatefulDataLoader: the same global batches for any process count.
+One pass over a process's share is one epoch of that process. Documents come in stream order,
 every pass: `datasets` does not checkpoint a shuffle buffer's content (a resume would drop it), so there is no
 shuffle buffer; shuffle the corpus beforehand.
 
@@ -26,13 +26,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from datasets import Dataset, IterableDataset, IterableDatasetDict, interleave_datasets, load_dataset
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
-from common.inputs.data import block_packer, build_default_corpus, data_format, document_tokenizer, get_tokenizer
-from common.inputs.mixture import Mixture, Source, resolve_default, share_counts, source_args
+from common.inputs.data import block_packer, data_format, document_tokenizer, get_tokenizer
+from common.inputs.mixture import Mixture, Source, resolve_default, share_counts
 from common.accumulation import accumulation_windows
 from common.errors import fail
 
@@ -40,38 +39,39 @@ TOKENIZER_SAMPLE_DOCUMENTS = 10_000  # a tokenizer trained here learns from the 
 DEFAULT_EVAL_DOCUMENTS = 1_000       # held-out documents when --max_eval_samples is not given
 
 
-def load_streams(args: argparse.Namespace) -> tuple[IterableDataset, IterableDataset]:
-    """(train, validation) document streams from the hub, local files or the embedded default corpus."""
-    if args.dataset_name:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name, streaming=True)
+def load_streams(source: Source, held_out_percent: int, max_train: int | None,
+                 max_eval: int | None) -> tuple[IterableDataset, IterableDataset]:
+    """A source's (train, validation) document streams, from the hub or local files."""
+    if source.dataset_name:
+        raw = load_dataset(source.dataset_name, source.dataset_config_name, streaming=True)
     else:
-        files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
-        if getattr(args, "validation_file", None):
-            files["validation"] = args.validation_file
-        builder = data_format(files["train"])
+        files = {"train": source.train_file, **({"validation": source.validation_file} if source.validation_file
+                                                else {})}
+        builder = data_format(source.train_file)
         raw = load_dataset(builder, data_files=files, streaming=True,
                            **({"keep_linebreaks": True} if builder == "text" else {}))
     if "train" not in raw:
-        fail(f"the dataset has no 'train' split (splits: {', '.join(raw)})")
-    return split_streams(raw, args)
+        fail(f"source '{source.name}': the dataset has no 'train' split (splits: {', '.join(raw)})")
+    return split_streams(raw, source.text_column, held_out_percent, max_train, max_eval)
 
 
-def split_streams(raw: IterableDatasetDict, args: argparse.Namespace) -> tuple[IterableDataset, IterableDataset]:
-    """(train, validation): at most --max_eval_samples validation documents, at most --max_train_samples training.
+def split_streams(raw: IterableDatasetDict, text_column: str, held_out_percent: int, max_train: int | None,
+                  max_eval: int | None) -> tuple[IterableDataset, IterableDataset]:
+    """(train, validation): at most `max_eval` (--max_eval_samples) validation documents, at most `max_train`
+    (--max_train_samples) training ones.
 
-    Without a validation split, --validation_split_percentage of the training documents are held out, chosen by a
-    hash of their text: the choice depends on no position, so it holds however the stream is later split.
+    Without a validation split, `held_out_percent` (--validation_split_percentage) of the training documents are held
+    out, chosen by a hash of their text: the choice depends on no position, so it holds however the stream is split.
     """
     train, validation = raw["train"], raw.get("validation")
     if validation is None:
-        if args.validation_split_percentage <= 0:
+        if held_out_percent <= 0:
             fail("no validation data: pass --validation_file or a --validation_split_percentage > 0")
-        text, percent = args.text_column, args.validation_split_percentage
-        validation = train.filter(lambda row: held_out(row[text], percent))
-        train = train.filter(lambda row: not held_out(row[text], percent))
-    validation = validation.take(args.max_eval_samples or DEFAULT_EVAL_DOCUMENTS)
-    if args.max_train_samples:
-        train = train.take(args.max_train_samples)
+        validation = train.filter(lambda row: held_out(row[text_column], held_out_percent))
+        train = train.filter(lambda row: not held_out(row[text_column], held_out_percent))
+    validation = validation.take(max_eval or DEFAULT_EVAL_DOCUMENTS)
+    if max_train:
+        train = train.take(max_train)
     return train, validation
 
 
@@ -80,26 +80,26 @@ def held_out(text: str, percent: int) -> bool:
     return int(hashlib.md5(text.encode()).hexdigest(), 16) % 100 < percent
 
 
-def packed_blocks(documents: IterableDataset, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
+def packed_blocks(documents: IterableDataset, source: Source, tokenizer: PreTrainedTokenizerBase,
                   block_size: int) -> IterableDataset:
     """Documents -> token ids (EOS after each) -> `block_size` blocks with labels, lazily, as the map-style path."""
-    return (documents.select_columns([args.text_column])
-            .map(document_tokenizer(args, tokenizer), batched=True, remove_columns=[args.text_column])
+    return (documents.select_columns([source.text_column])
+            .map(document_tokenizer(tokenizer, source.text_column, source.train_file), batched=True,
+                 remove_columns=[source.text_column])
             .map(block_packer(block_size), batched=True))
 
 
-def process_share(train: IterableDataset, rank: int, world_size: int) -> IterableDataset:
-    """This process's documents: each document goes to exactly one process per pass, before any tokenizing.
+def process_blocks(blocks: IterableDataset, rank: int, world_size: int) -> IterableDataset:
+    """This process's blocks: every `world_size`-th block of the one stream every process reads, from the `rank`-th.
 
-    Whole shards when their number divides by the process count; else every `world_size`-th document. (For the
-    latter, `split_dataset_by_node` strides over what comes out of the whole pipeline: every process would tokenize
-    every document and keep every N-th packed block.)
+    Split after tokenizing, packing and mixing, so that the global batches (consecutive blocks of that one stream) are
+    the same for any process count and accumulation: 2 processes x 4 train as 1 x 8. The price: every process
+    tokenizes every document. (Split by document, before tokenizing, each process packed and mixed its own documents:
+    other blocks, and another draw of sources, for each process count.)
     """
     if world_size == 1:
-        return train
-    if train.n_shards % world_size == 0:
-        return split_dataset_by_node(train, rank=rank, world_size=world_size)
-    return train.filter(lambda _, index: index % world_size == rank, with_indices=True)
+        return blocks
+    return blocks.filter(lambda _, index: index % world_size == rank, with_indices=True)
 
 
 def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, sources: list[Source],
@@ -211,25 +211,26 @@ class StreamingLoader:
 
 def load_streaming_data(args: argparse.Namespace, accelerator: Accelerator, resume_from: str | None,
                         sources: list[Source]) -> tuple[PreTrainedTokenizerBase, StreamingLoader, list, Mixture]:
-    """The streaming stages: sources -> tokenizer -> each source packed on the fly -> the mixture. Returns (tokenizer,
-    this process's training stream, an eval dataloader per source over its held-out blocks kept in memory, mixture)."""
+    """The streaming stages: sources -> documents -> tokenizer -> each source packed on the fly -> the mixture -> this
+    process's blocks -> its loader. Returns (tokenizer, this process's training stream, an eval dataloader per source
+    over its held-out blocks kept in memory, mixture). The flags are read here; the stages take plain values."""
     sources = resolve_default(sources, args.cache_dir)
-    per_source = [source_args(args, s) for s in sources]
-    streams = [load_streams(a) for a in per_source]
+    streams = [load_streams(s, args.validation_split_percentage, args.max_train_samples, args.max_eval_samples)
+               for s in sources]
     tokenizer = stream_tokenizer(args, accelerator, sources, [train for train, _ in streams], resume_from)
     loader_kwargs = dict(collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,
                          pin_memory=args.dataloader_pin_memory and torch.cuda.is_available())
     eval_loaders = []
-    for source, a, (_, validation) in zip(sources, per_source, streams):
-        eval_blocks = list(packed_blocks(validation, a, tokenizer, args.block_size))
+    for source, (_, validation) in zip(sources, streams):
+        eval_blocks = list(packed_blocks(validation, source, tokenizer, args.block_size))
         if not eval_blocks:
             fail(f"source '{source.name}': the held-out documents hold fewer than --block_size={args.block_size} "
                  "tokens; use more data, a larger --max_eval_samples or a smaller --block_size")
         eval_loaders.append(DataLoader(eval_blocks, batch_size=args.per_device_eval_batch_size, **loader_kwargs))
     mixture = Mixture(sources, None, args.mixture_stopping, args.seed)
-    rank, world_size = accelerator.process_index, accelerator.num_processes
-    blocks = mix_streams([packed_blocks(process_share(train, rank, world_size), a, tokenizer, args.block_size)
-                          for a, (train, _) in zip(per_source, streams)], mixture)
+    blocks = mix_streams([packed_blocks(train, s, tokenizer, args.block_size) for s, (train, _) in
+                          zip(sources, streams)], mixture)
+    blocks = process_blocks(blocks, accelerator.process_index, accelerator.num_processes)
     # Its own generator: a new iterator then draws its seed from it, not from the global RNG that dropout uses (a
     # resumed run creates one after the checkpoint's RNG is restored; from that RNG, every later mask would change).
     train_loader = StreamingLoader(accelerator, StatefulDataLoader(

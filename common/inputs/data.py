@@ -332,10 +332,10 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     return tokenizer
 
 
-def document_tokenizer(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Callable[[dict], dict]:
-    """A batched map function: --text_column -> token ids, EOS after each document (not between lines of a .txt)."""
-    text_column = args.text_column
-    append_eos = tokenizer.eos_token_id is not None and not (args.train_file or "").endswith(".txt")
+def document_tokenizer(tokenizer: PreTrainedTokenizerBase, text_column: str,
+                       train_file: str | None) -> Callable[[dict], dict]:
+    """A batched map function: `text_column` -> token ids, EOS after each document (not between lines of a .txt)."""
+    append_eos = tokenizer.eos_token_id is not None and not (train_file or "").endswith(".txt")
 
     def tokenize(batch: dict) -> dict:
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
@@ -364,7 +364,7 @@ def tokenize_and_pack(args: argparse.Namespace, accelerator: Accelerator, raw: D
     Runs on the main process first so the other processes load the result from the datasets cache.
     The tail shorter than a block in each map batch is dropped.
     """
-    tokenize, pack = document_tokenizer(args, tokenizer), block_packer(block_size)
+    tokenize, pack = document_tokenizer(tokenizer, args.text_column, args.train_file), block_packer(block_size)
     with accelerator.main_process_first():
         tokenized = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
                             remove_columns=raw["train"].column_names, desc="Tokenizing")
