@@ -285,9 +285,9 @@ def zero_muon_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
     runs = {}
     with eager_deepspeed():
         runs["one"] = run("one", "deepspeed_zero2.yaml", 1, 8)
-        for stage in ("zero1", "zero2", "zero3"):
-            runs[stage] = run(stage, f"deepspeed_{stage}.yaml", 2, 4, "--checkpointing_steps", "2")
+        runs["zero3"] = run("zero3", "deepspeed_zero3.yaml", 2, 4)
         for stage in ("zero1", "zero2"):
+            runs[stage] = run(stage, f"deepspeed_{stage}.yaml", 2, 4, "--checkpointing_steps", "2")
             copy_checkpoints(d / stage, d / f"{stage}_resumed", 2)
             runs[f"{stage}_resumed"] = run(f"{stage}_resumed", f"deepspeed_{stage}.yaml", 2, 4,
                                            "--resume_from_checkpoint", "auto")
@@ -373,8 +373,8 @@ def killed_runs(request, corpus, dropout_config, tmp_path_factory):
 def test_muon_killed_and_resumed_ends_as_the_uninterrupted_run(killed_runs, capsys):
     """The same weights (0.0) and the same metric rows (the losses and gradient norms of the steps run again included:
     data order and dropout masks restored on every process). Each checkpoint holds a Muon momentum buffer for every
-    element of every hidden matrix (zeroed on resume, the steps after the first resumed one would differ), and its
-    run.json refuses a resume with AdamW in one line."""
+    element of every hidden matrix (with the buffers zeroed after loading, DDP, FSDP2 and FSDP2 x TP ended 4e-3 to 5e-3
+    away: tried by hand), and its run.json refuses a resume with AdamW in one line."""
     from common.features.resume_guard import check_run_record
 
     d, at = killed_runs
