@@ -373,8 +373,8 @@ def killed_runs(request, corpus, dropout_config, tmp_path_factory):
 def test_muon_killed_and_resumed_ends_as_the_uninterrupted_run(killed_runs, capsys):
     """The same weights (0.0) and the same metric rows (the losses and gradient norms of the steps run again included:
     data order and dropout masks restored on every process). Each checkpoint holds a Muon momentum buffer for every
-    element of every hidden matrix (with the buffers zeroed after loading, DDP, FSDP2 and FSDP2 x TP ended 3.1e-3 to 3.4e-3
-    away: tried by hand), and its run.json refuses a resume with AdamW in one line."""
+    element of every hidden matrix (with the buffers zeroed after loading, DDP, FSDP2 and FSDP2 x TP ended 3.1e-3 to
+    3.4e-3 away: tried by hand), and its run.json refuses a resume with AdamW in one line."""
     from common.features.resume_guard import check_run_record
 
     d, at = killed_runs
