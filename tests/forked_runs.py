@@ -12,7 +12,7 @@ flags and the config file into the processes' environment (as `accelerate launch
 variables are added (ranks, world size, the rendezvous address), and each process is a fork. It stands in for the
 launcher's process management only, so conftest.run_script uses it unless the test reads what the launcher itself
 prints or returns (by default a `check=False` run); several machines, or an environment that must be read at import
-time, get the real launcher or a plain subprocess.
+time, get the real launcher or a plain subprocess (TORCH_COMPILE_DISABLE excepted: a fork sets it from its own).
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def _run_in_child(cmd: list[str], cwd: str, env: dict[str, str], out_path: str, 
         os.close(handle)
     os.environ.clear()
     os.environ.update(env)
+    # torch reads TORCH_COMPILE_DISABLE when it imports dynamo's config, as the server did: set from the run's own
+    import torch._dynamo.config
+
+    torch._dynamo.config.disable = env.get("TORCH_COMPILE_DISABLE") == "1"
     os.chdir(cwd)
     sys.argv = list(cmd)
     sys.path[0] = os.path.dirname(os.path.abspath(cmd[0]))  # as `python script.py` sets it

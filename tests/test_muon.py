@@ -14,25 +14,34 @@ Pretraining runs, Muon + WSD, attention dropout on (`dropout_config`), checkpoin
   weights (0.0): Muon's momentum buffers and AdamW's moments are saved and restored exactly.
 fp32, the same global batch of 8 from one saved tiny model: 1 process x 8, 1 x 1 with 8 accumulation steps, 2
 processes x 4 under DDP and FSDP2, and FSDP2 (2) x TP (2) on 4 processes end with the same weights (1e-5 relative;
-Newton-Schulz runs in fp32 on CPU; under FSDP2 and TP each matrix is gathered and orthogonalized whole); the FSDP2
-run's step-2 checkpoint (sharded Muon momentum) resumed ends with its weights exactly.
-DeepSpeed's own ZeRO Muon (its `original` scaling): 2 processes x 4 under ZeRO-2 and ZeRO-3 log the losses of one
-process x 8 under ZeRO-2 (1e-6) and end with its weights (1e-5 ZeRO-2, 5e-5 ZeRO-3: bf16 Newton-Schulz).
+Newton-Schulz runs in fp32 on CPU; under FSDP2 and TP each matrix is gathered and orthogonalized whole).
+DeepSpeed's own ZeRO Muon (its `original` scaling): 2 processes x 4 under ZeRO-1, ZeRO-2 and ZeRO-3 log the losses of
+one process x 8 under ZeRO-2 (1e-6) and end with its weights (1e-5 ZeRO-1/2, 5e-5 ZeRO-3: bf16 Newton-Schulz); the
+ZeRO-1 and ZeRO-2 runs resumed from their step-2 checkpoints end with their weights exactly.
+Kill and resume, attention dropout on: under DDP with async checkpoints, FSDP2, FSDP2 x TP and ZeRO-3, a run SIGKILLed
+on every process after a drawn step and started again ends with the uninterrupted run's weights (0.0) and metric rows,
+its checkpoints holding Muon's momentum for every matrix element.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
+import signal
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from conftest import copy_checkpoints, launcher, read_metrics, run_script
+from conftest import ROOT, copy_checkpoints, launcher, read_metrics, run_script
+from forked_runs import start_launched
 from test_crash_safety import pretrain_command, rows_since, sigkill, start, wait_for, weights_diff
 from test_distributed import exported_weights, init_model  # noqa: F401  (fixture)
+from test_tensor_parallel import strip
 
 from common.features.muon import create_muon_optimizer
 
@@ -213,17 +222,8 @@ def parity_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
 
     # AdamW's epsilon 1e-6 (test_tensor_parallel.py says why: at 1e-8 fp32 summation noise of TP's other reduction
     # order moves elements with tiny gradients by ~2e-5 relative, in AdamW's parameters, not in Muon's).
-    weights = {"one": run("one", 8, 1), "accumulated": run("accumulated", 1, 8), "ddp": run("ddp", 4, 1,
-               "cpu_2proc.yaml", 2), "fsdp2": run("fsdp2", 4, 1, "fsdp2.yaml", 2, "--checkpointing_steps", "2"),
-               "fsdp2_tp": run("fsdp2_tp", 4, 1, "fsdp2_tp.yaml", 4)}
-    copy_checkpoints(d / "fsdp2", d / "fsdp2_resumed", 2)  # FSDP2's sharded Muon state, resumed at step 2
-    weights["fsdp2_resumed"] = run("fsdp2_resumed", 4, 1, "fsdp2.yaml", 2, "--resume_from_checkpoint", "auto")
-    return weights
-
-
-def test_fsdp2_muon_resumes_exactly(parity_runs):
-    resumed, uninterrupted = parity_runs["fsdp2_resumed"], parity_runs["fsdp2"]
-    assert all(torch.equal(resumed[k], v) for k, v in uninterrupted.items())
+    return {"one": run("one", 8, 1), "accumulated": run("accumulated", 1, 8), "ddp": run("ddp", 4, 1, "cpu_2proc.yaml",
+            2), "fsdp2": run("fsdp2", 4, 1, "fsdp2.yaml", 2), "fsdp2_tp": run("fsdp2_tp", 4, 1, "fsdp2_tp.yaml", 4)}
 
 
 @pytest.mark.parametrize("name", ["accumulated", "ddp", "fsdp2", "fsdp2_tp"])
@@ -267,37 +267,140 @@ def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path)
 @pytest.fixture(scope="module")
 def zero_muon_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
     """DeepSpeed's own ZeRO Muon (`--optim muon --muon_adjust_lr_fn original`, its only scaling), fp32, 3 steps, global
-    batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under ZeRO-2 and
-    ZeRO-3. TORCH_COMPILE_DISABLE=1: DeepSpeed `torch.compile`s its Muon update (~80 s a process on this CPU), here the
-    same arithmetic runs eager; torch reads it at import, so the real launcher runs. OMP_NUM_THREADS=1 in every process
-    (the launcher's setting for 2): DeepSpeed's bf16 Newton-Schulz on 2 threads of a busy 2-core CPU is ~50x slower."""
+    batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under ZeRO-1, ZeRO-2
+    and ZeRO-3, and the ZeRO-1 and ZeRO-2 runs' step-2 checkpoints resumed (the same command, in a copy). Eager
+    (`eager_deepspeed`)."""
     d = tmp_path_factory.mktemp("zero_muon")
 
-    def run(name, config, processes, per_device):
+    def run(name, config, processes, per_device, *extra):
         run_script("pretrain_llama.py", "--model_name_or_path", init_model, "--train_file", corpus["train"],
                    "--validation_file", corpus["validation"], "--block_size", "64", "--cache_dir", str(d / "cache"),
                    "--output_dir", str(d / name), "--max_steps", "3", "--logging_steps", "1", "--optim", "muon",
                    "--muon_adjust_lr_fn", "original", "--per_device_train_batch_size", str(per_device),
                    "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--max_eval_samples", "4",
-                   "--sample_max_new_tokens", "0", launcher=launcher(config, processes),
-                   env={"TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+                   "--sample_max_new_tokens", "0", *extra, launcher=launcher(config, processes))
         losses = {r["step"]: r["loss"] for r in read_metrics(str(d / name)) if "loss" in r}
         return losses, exported_weights(d / name)
 
-    return {"one": run("one", "deepspeed_zero2.yaml", 1, 8), "zero2": run("zero2", "deepspeed_zero2.yaml", 2, 4),
-            "zero3": run("zero3", "deepspeed_zero3.yaml", 2, 4)}
+    runs = {}
+    with eager_deepspeed():
+        runs["one"] = run("one", "deepspeed_zero2.yaml", 1, 8)
+        runs["zero3"] = run("zero3", "deepspeed_zero3.yaml", 2, 4)
+        for stage in ("zero1", "zero2"):
+            runs[stage] = run(stage, f"deepspeed_{stage}.yaml", 2, 4, "--checkpointing_steps", "2")
+            copy_checkpoints(d / stage, d / f"{stage}_resumed", 2)
+            runs[f"{stage}_resumed"] = run(f"{stage}_resumed", f"deepspeed_{stage}.yaml", 2, 4,
+                                           "--resume_from_checkpoint", "auto")
+    return runs
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3"])
+@contextlib.contextmanager
+def eager_deepspeed():
+    """TORCH_COMPILE_DISABLE=1 for the runs started inside: DeepSpeed `torch.compile`s its Muon update (~80 s a
+    process on this CPU); here the same arithmetic runs eager. A forked run sets it from its own environment."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_COMPILE_DISABLE", "1")
+        yield
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_deepspeed_zero_muon_two_processes_equal_one(zero_muon_runs, name):
-    """2 processes under ZeRO-2 / ZeRO-3 log one process's losses (1e-6 relative) and end with its weights (ZeRO-2:
-    1e-5 relative, measured 7e-6; ZeRO-3: 5e-5, measured 1.9e-5): DeepSpeed's Muon orthogonalizes each whole matrix
-    (ZeRO-1/2 all-reduce a matrix split across partitions to the processes holding it, ZeRO-3 all-reduces whole
-    gradients), not a process's flattened partition. Its Newton-Schulz runs in bf16 on both sides (as DeepSpeed does
-    on any bf16 device, CPU included), so ZeRO-3's other summation order (~1e-7) flips a few bf16 roundings."""
+    """2 processes under ZeRO-1, ZeRO-2 and ZeRO-3 log one process's losses (1e-6 relative) and end with its weights
+    (ZeRO-1/2: 1e-5 relative, measured 7e-6; ZeRO-3: 5e-5, measured 1.9e-5): DeepSpeed's Muon orthogonalizes each
+    whole matrix (ZeRO-1/2 all-reduce a matrix split across partitions to the processes holding it, ZeRO-3 all-reduces
+    whole gradients), not a process's flattened partition. Its Newton-Schulz runs in bf16 on both sides (as DeepSpeed
+    does on any bf16 device, CPU included), so ZeRO-3's other summation order (~1e-7) flips a few bf16 roundings."""
     (one_losses, one), (losses, weights) = zero_muon_runs["one"], zero_muon_runs[name]
     assert sorted(losses) == [1, 2, 3] and losses == pytest.approx(one_losses, rel=1e-6)
     errors = {k: (torch.linalg.norm(weights[k] - v) / torch.linalg.norm(v)).item() for k, v in one.items()}
     worst = max(errors, key=errors.get)
     print(f"{name}: max relative weight difference {errors[worst]:.1e} ({worst})")
-    assert errors[worst] <= {"zero2": 1e-5, "zero3": 5e-5}[name], f"{worst}: {errors[worst]:.1e}"
+    assert errors[worst] <= {"zero1": 1e-5, "zero2": 1e-5, "zero3": 5e-5}[name], f"{worst}: {errors[worst]:.1e}"
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_deepspeed_zero_muon_resumes_from_a_checkpoint_exactly(zero_muon_runs, name):
+    """ZeRO-1 and ZeRO-2 resumed from their step-2 checkpoints log the uninterrupted run's step-3 loss and end with its
+    weights (0.0): DeepSpeed's partitioned Muon momentum is saved and restored (step 3's update is made of it). ZeRO-3
+    is killed and resumed below."""
+    (losses, weights), (resumed_losses, resumed) = zero_muon_runs[name], zero_muon_runs[f"{name}_resumed"]
+    assert resumed_losses == {3: losses[3]}
+    assert all(torch.equal(resumed[k], v) for k, v in weights.items())
+
+
+# ---- kill and resume on every engine -------------------------------------------------------------------------------
+# (accelerate config, processes, flags). ZeRO-1 and ZeRO-2 are resumed from a checkpoint above; ZeRO-3 is killed.
+KILLED = {"ddp_async": ("cpu_2proc.yaml", 2, ("--async_checkpointing",)), "fsdp2": ("fsdp2.yaml", 2, ()),
+          "fsdp2_tp": ("fsdp2_tp.yaml", 4, ()),
+          "zero3": ("deepspeed_zero3.yaml", 2, ("--muon_adjust_lr_fn", "original"))}
+KILL_STEPS, KILL_EVERY = 5, 2
+
+
+@pytest.fixture(scope="module", params=sorted(KILLED))
+def killed_runs(request, corpus, dropout_config, tmp_path_factory):
+    """One engine's Muon run (the tiny preset with attention dropout, fp32, global batch 8, 5 steps, checkpoints at 2
+    and 4) uninterrupted, and the same command with every process SIGKILLed once the row of a step drawn from a fixed
+    seed (3 or 4: after a checkpoint, maybe while the next one is written) is in metrics.jsonl, then started again
+    (`--resume_from_checkpoint auto`). All forked; ZeRO-3 eager."""
+    name = request.param
+    config, count, extra = KILLED[name]
+    d = tmp_path_factory.mktemp(f"muon_killed_{name}")
+    launch = launcher(config, count)
+    if not config.startswith("deepspeed"):  # a precision beside a DeepSpeed JSON is refused; it is fp32 there
+        launch += ["--mixed_precision", "no"]
+
+    def args(out):
+        return pretrain_command(corpus, d / "cache", d / out, "--config_name", dropout_config, "--optim", "muon",
+                                "--max_steps", str(KILL_STEPS), "--checkpointing_steps", str(KILL_EVERY),
+                                "--resume_from_checkpoint", "auto", *extra)[2:]
+
+    at, log = random.Random(name).randint(KILL_EVERY + 1, KILL_STEPS - 1), d / "killed.log"
+    with eager_deepspeed() if name == "zero3" else contextlib.nullcontext():
+        run_script("pretrain_llama.py", *args("full"), launcher=launch)
+        processes = start_launched([*launch, os.path.join(ROOT, "scripts", "pretrain_llama.py"), *args("killed")],
+                                   ROOT, str(log))
+        deadline = time.monotonic() + 300
+        while not any(r.get("step") == at for r in rows_since(d / "killed", 0)):
+            assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.005)
+        for process in processes:
+            os.kill(process.pid, signal.SIGKILL)
+        assert all(process.wait() == -signal.SIGKILL for process in processes)
+        run_script("pretrain_llama.py", *args("killed"), launcher=launch)
+    return d, at
+
+
+def test_muon_killed_and_resumed_ends_as_the_uninterrupted_run(killed_runs, capsys):
+    """The same weights (0.0) and the same metric rows (the losses and gradient norms of the steps run again included:
+    data order and dropout masks restored on every process). Each checkpoint holds a Muon momentum buffer for every
+    element of every hidden matrix (with the buffers zeroed after loading, DDP, FSDP2 and FSDP2 x TP ended 3.1e-3 to
+    3.4e-3 away: tried by hand), and its run.json refuses a resume with AdamW in one line."""
+    from common.features.resume_guard import check_run_record
+
+    d, at = killed_runs
+    assert weights_diff(d / "killed", d / "full") == 0.0, f"killed after step {at}"
+    assert [strip(r) for r in read_metrics(str(d / "killed"))] == [strip(r) for r in read_metrics(str(d / "full"))]
+    checkpoint = d / "killed" / "checkpoints" / "step_4"
+    weights = load_file(d / "killed" / "model.safetensors")
+    assert momentum_elements(checkpoint) == sum(v.numel() for k, v in weights.items() if k.endswith("_proj.weight"))
+    with pytest.raises(SystemExit):
+        check_run_record(str(checkpoint), {"optim": "adamw_torch"})
+    assert capsys.readouterr().err.strip() == (
+        f"error: --resume_from_checkpoint {checkpoint}: the checkpoint was trained with --optim muon, this run has "
+        "--optim adamw_torch; its optimizer state only fits muon: resume with --optim muon")
+
+
+def momentum_elements(checkpoint) -> int:
+    """The elements of Muon momentum a checkpoint holds, all processes together: in optimizer.bin (DDP), in the DCP
+    metadata (FSDP2, TP), in DeepSpeed's flat partitions (ZeRO)."""
+    if (checkpoint / "optimizer.bin").exists():
+        state = torch.load(checkpoint / "optimizer.bin", weights_only=True)["state"].values()
+        return sum(s["momentum_buffer"].numel() for s in state if "momentum_buffer" in s)
+    if (checkpoint / "optimizer_0").exists():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(checkpoint / "optimizer_0")).read_metadata().state_dict_metadata
+        return sum(math.prod(m.size) for k, m in metadata.items() if k.endswith(".momentum_buffer"))
+    partitions = [torch.load(f, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+                  for f in (checkpoint / "pytorch_model").glob("*_optim_states.pt")]  # DeepSpeed pickles objects
+    return sum(s["momentum_buffer"].numel() for state in partitions for s in state.values() if "momentum_buffer" in s)

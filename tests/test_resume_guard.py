@@ -218,6 +218,8 @@ def test_a_resume_that_would_train_differently_is_refused_with_one_line(capsys, 
     assert refused("--optim", "adafactor") == (
         "the checkpoint was trained with --optim adamw_torch, this run has --optim adafactor; its optimizer state only "
         "fits adamw_torch: resume with --optim adamw_torch")
+    assert refused("--optim", "muon").startswith("the checkpoint was trained with --optim adamw_torch, this run has "
+                                                 "--optim muon;")  # the other way: tests/test_muon.py
     # The same global batch cut otherwise, and a run that only goes on for longer, continue.
     assert refused("--per_device_train_batch_size", "2", num_processes=2) is None
     assert refused("--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--max_steps", "9") \
