@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from accelerate.utils import DistributedDataParallelKwargs
 from datasets import Image, List
 from torch.utils.data import DataLoader
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -361,9 +361,6 @@ def build_model(args, config, accelerator):
 def show_sample_answer(args, accelerator) -> None:
     """The export, reloaded with the Auto classes, answers the first held-out row (the main process only)."""
     if not accelerator.is_main_process:
-        return
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # the reload hung there (docs/vlm.md)
-        logger.info("no sample answer under DeepSpeed: load the export in a new process")
         return
     folder = args.output_dir
     if args.use_peft:  # feature: lora

@@ -255,15 +255,16 @@ def sample_answer(folder: str, row: dict, columns: argparse.Namespace, data_fold
     from common.inputs.modeling import outside_zero3
 
     processor = AutoProcessor.from_pretrained(folder)
-    with outside_zero3():  # loaded whole by this process alone, not partitioned with the others (ZeRO-3)
-        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     messages, prompt_turns = as_messages(row, columns)
     last_answer = max(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
     prompt = messages[:prompt_turns or last_answer]
     images = [open_image(image, data_folder).convert("RGB") for image in images_of(row, columns)]
     text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    with torch.no_grad():
+    # This process alone: under ZeRO-3, the model is not built partitioned and generate() does not step in lockstep
+    # with the other processes (synced_gpus), whose all_reduce they never join: the run hung there.
+    with outside_zero3(), torch.no_grad():
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
         generated = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     question = " ".join(part.get("text") or "" for turn in prompt if isinstance(turn["content"], list)
