@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs
 from datasets import Image, List
 from torch.utils.data import DataLoader
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -210,7 +209,9 @@ def load_image_text_data(args, accelerator, processor, config):
 
 def build_dataloaders(args, accelerator, processor, data, vision_ids):
     """Padded batches of decoded, processed images and their text, optionally grouped by length."""
-    collate = ImageTextCollator(processor, vision_ids, args.max_seq_length, pad_to_multiple_of(accelerator))
+    # With more than one process, a batch without images runs the encoder on a blank one (ZeRO and FSDP need it)
+    collate = ImageTextCollator(processor, vision_ids, args.max_seq_length, pad_to_multiple_of(accelerator),
+                                vision_in_every_batch=accelerator.num_processes > 1)
     sampler = None
     if args.group_by_length:
         sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
@@ -245,8 +246,6 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     ga = args.gradient_accumulation_steps
     data, vision_ids = load_image_text_data(args, accelerator, processor, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, processor, data, vision_ids)
-    if not all(data["train"]["images"]):  # a batch without images leaves the vision tower out of its backward
-        accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
     dp = accelerator.num_processes
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, dp, args.max_steps,
                                                          args.num_train_epochs)

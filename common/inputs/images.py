@@ -183,11 +183,13 @@ class ImageTextCollator:
     -100 on every token the expansion added, on vision tokens and on padding; rows cut at `max_length` (after their
     last image: longer rows were refused up front)."""
 
-    def __init__(self, processor, vision_ids: set[int], max_length: int | None, pad_to_multiple_of: int) -> None:
+    def __init__(self, processor, vision_ids: set[int], max_length: int | None, pad_to_multiple_of: int,
+                 vision_in_every_batch: bool = False) -> None:
         self.processor = copy.copy(processor)
         self.processor.tokenizer = copy.copy(processor.tokenizer)
         self.processor.tokenizer.padding_side = "right"  # positions count from the left
         self.vision_ids, self.max_length, self.multiple = vision_ids, max_length, pad_to_multiple_of
+        self.vision_in_every_batch = vision_in_every_batch
 
     def __call__(self, rows: list[dict]) -> dict:
         images = [[open_image(image["bytes"] or image["path"], "").convert("RGB") for image in row["images"]]
@@ -207,7 +209,31 @@ class ImageTextCollator:
             for key, value in batch.items():
                 if torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == length and key != "pixel_values":
                     batch[key] = value[:, :self.max_length]
+        if self.vision_in_every_batch and not has_images:
+            batch = self.with_blank_image(batch)
         return dict(batch)
+
+    def with_blank_image(self, batch) -> dict:
+        """The batch with a blank image's tokens after its padding: no token attends to them and none is labelled, so
+        the loss and every gradient are unchanged, but the vision encoder runs. Under ZeRO and FSDP a process whose
+        batch skipped the encoder would leave the others waiting in its collectives (LLaMA-Factory adds such a fake
+        image for the same reason)."""
+        from PIL import Image
+
+        blank = self.processor(text=[self.processor.image_token], images=[Image.new("RGB", (32, 32))],
+                               return_tensors="pt")
+        added = blank["input_ids"].shape[1]
+        filler = {"input_ids": self.processor.tokenizer.pad_token_id or 0, "labels": -100}
+        shape = batch["input_ids"].shape
+        for key, value in list(batch.items()):
+            if torch.is_tensor(value) and value.shape == shape:
+                tail = torch.full((value.shape[0], -(-added // self.multiple) * self.multiple), filler.get(key, 0),
+                                  dtype=value.dtype)
+                if key in blank and key != "attention_mask":
+                    tail[0, :added] = blank[key][0]
+                batch[key] = torch.cat([value, tail], dim=1)
+        batch.update({key: value for key, value in blank.items() if key not in batch})
+        return batch
 
     def align(self, ids: list[int], labels: list[int], expanded: list[int]) -> list[int]:
         """The labels of `ids` carried over to the processor's `expanded` ids: the text's tokens match one to one,
