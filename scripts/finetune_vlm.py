@@ -29,7 +29,7 @@ import torch
 from accelerate.logging import get_logger
 from datasets import Image, List
 from torch.utils.data import DataLoader
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from common.accumulation import backward_loss, check_loss_honours_num_items, count_label_tokens
 from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
@@ -41,8 +41,8 @@ from common.inputs import from_pretrained_or_fail
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, load_raw_datasets
 from common.inputs.images import (ImageTextCollator, as_messages, check_processor, check_takes_images,
-                                  evaluate_image_text, image_problem, row_cutting_an_image, sample_answer,
-                                  tokenize_image_rows, vision_token_ids)
+                                  evaluate_image_text, image_problem, load_processor, row_cutting_an_image,
+                                  sample_answer, tokenize_image_rows, vision_token_ids)
 from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags, count_parameters,
                                     enable_gradient_checkpointing, load_finetuning_config)
 from common.inputs.responses import naming_the_failing_row, rows_of
@@ -124,8 +124,8 @@ def main() -> None:
         args.model_name_or_path = build_tiny_vlm(args.cache_dir, language_model)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     check_takes_images(config)
-    processor = from_pretrained_or_fail(AutoProcessor.from_pretrained, args.tokenizer_name or args.model_name_or_path,
-                                        "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path")
+    processor = load_processor(args.tokenizer_name or args.model_name_or_path,
+                               "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path")
     check_processor(processor)
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:

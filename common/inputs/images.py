@@ -98,6 +98,21 @@ def check_takes_images(config) -> None:
              "(AutoModelForImageTextToText), or use scripts/finetune_causal_lm.py for text")
 
 
+def load_processor(name: str, flag: str):
+    """The model's `AutoProcessor`. A processor with a part that needs a library not installed is one line: Qwen2-VL's
+    and Qwen2.5-VL's need torchvision for their video processor, even to take images (docs/vlm.md)."""
+    from transformers import AutoProcessor
+
+    from common.inputs import from_pretrained_or_fail
+
+    try:
+        return from_pretrained_or_fail(AutoProcessor.from_pretrained, name, flag)
+    except ImportError as e:
+        needs = " ".join(str(e).split()).split(" but ")[0]  # "Qwen2VLVideoProcessor requires the Torchvision library"
+        fail(f"{flag} {name}: its processor cannot load here: {needs}, which is not installed (torchvision: a build "
+             f"for torch {torch.__version__}; see docs/vlm.md)")
+
+
 def check_processor(processor) -> None:
     """A vision-language processor whose image token is one token of its tokenizer."""
     token = getattr(processor, "image_token", None)
