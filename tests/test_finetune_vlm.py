@@ -383,7 +383,8 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_weights_and_rows(vlm)
 
 def test_bad_inputs_are_one_line_before_any_model_is_built(vlm, tmp_path):
     """A missing image, more placeholders than images, images without placeholders, a text-only model, a processor
-    whose image token the tokenizer lacks, a --max_seq_length that would cut an image: exit 2, one `error:` line."""
+    whose image token the tokenizer lacks, a --max_seq_length that would cut an image, a Qwen2-VL processor without
+    torchvision (its video processor needs it): exit 2, one `error:` line."""
     rows = rows_of_file(vlm["train"])
     with_image = next(i for i, row in enumerate(rows) if row["images"] and "messages" in row)
 
@@ -406,6 +407,14 @@ def test_bad_inputs_are_one_line_before_any_model_is_built(vlm, tmp_path):
     processor_config = json.loads((bad_token / "processor_config.json").read_text())
     processor_config["image_token"] = "<picture>"
     (bad_token / "processor_config.json").write_text(json.dumps(processor_config))
+    qwen = tmp_path / "qwen"  # as a hub checkout of Qwen2-VL holds it: a video processor beside the image processor
+    vlm["qwen_model"].save_pretrained(qwen)
+    vlm["qwen_processor"].save_pretrained(qwen)
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        (qwen / name).write_text((qwen / name).read_text().replace("ImageOnlyQwen2VLProcessor", "Qwen2VLProcessor"))
+    image_processor = json.loads((qwen / "processor_config.json").read_text())["image_processor"]
+    (qwen / "video_preprocessor_config.json").write_text(json.dumps(
+        {**image_processor, "image_processor_type": None, "video_processor_type": "Qwen2VLVideoProcessor"}))
     n = with_image + 1
     cases = {
         "missing": (data(lambda row: row.update(images=["nowhere.png"])), vlm["llava"], (),
@@ -417,6 +426,8 @@ def test_bad_inputs_are_one_line_before_any_model_is_built(vlm, tmp_path):
         "text-only model": (vlm["train"], str(text_only), (), "the model (llama) takes no images"),
         "image token": (vlm["train"], str(bad_token), (), "the processor's image token '<picture>' is not a token"),
         "cut image": (vlm["train"], vlm["llava"], ("--max_seq_length", "12"), "would cut inside an image's tokens"),
+        "no torchvision": (vlm["train"], str(qwen), (), "Qwen2VLVideoProcessor requires the Torchvision library, "
+                           "which is not installed"),
     }
     for name, (train, model, extra, expected) in cases.items():
         out = tmp_path / f"out-{name.replace(' ', '-')}"
