@@ -61,6 +61,11 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   one forward), plus the reference: live, a frozen fp32 copy (4 per parameter; fp32 so that both models compute alike)
   and its no-grad forward's logits (6 bytes per token per vocabulary entry, one micro-batch at a time); precomputed
   (--precompute_ref_log_probs), nothing during training; with LoRA / QLoRA, nothing (the adapter disabled).
+- Vision-language (scripts/finetune_vlm.py, one command): the language model as above, --max_seq_length counting the
+  image tokens; every parameter holds its weights, the frozen parts (--freeze_vision_tower, --freeze_projector) no
+  gradients or optimizer states; a trained vision encoder keeps 34·h_v bytes per encoder token and layer (4·h_v, its
+  fp32 input, with checkpointing): --image_patches tokens an image (default: the config's image_size/patch_size),
+  --images_per_row images a row. LoRA adapts the language model only; the encoder then keeps nothing.
 A config "fits" when its per-GPU total stays under 90% of the GPU's memory (the rest: CUDA context, allocator
 fragmentation, communication buffers), and its host total under 90% of --host_memory_gb when that is given. The
 pick is the first fitting row (rows run fastest first), preferring activation checkpointing (~20-30% slower) to
