@@ -266,6 +266,8 @@ FAST = {
                               "test_bad_flags_are_one_line_before_any_work",
                               "test_bad_prompts_are_one_line_naming_the_row"},
     "test_finetune_vlm.py": {"test_exactly_the_assistant_tokens_carry_labels",
+                             "test_the_gpu_suite_row_passes_the_recipe_s_flag_checks",
+                             "test_a_blank_image_changes_no_loss_or_gradient",
                              "test_accumulation_equals_one_batch_in_process_for_qwen2_vl",
                              "test_the_freezing_flags_and_lora_targets_find_each_part"},
     "test_finetune_causal_lm.py": {"test_prompt_tokens_are_masked_and_eos_is_learned",

@@ -450,3 +450,23 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(vlm, one_bat
                "--adam_epsilon", EPSILON, "--per_device_train_batch_size", "8", env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
     assert train_losses(str(tmp_path / "copy")) == train_losses(one_batch_runs["full"])
     assert relative_difference(str(tmp_path / "copy"), one_batch_runs["full"]) == 0.0
+
+
+def test_the_gpu_suite_row_passes_the_recipe_s_flag_checks(tmp_path):
+    """The perf_vlm row (gpu_suite/vlm.py, prepared for a GPU, left out of the dry run): the command its benchmark
+    gives the recipe on a GPU passes scripts/finetune_vlm.py's flag checks (a renamed flag or value fails here)."""
+    from test_bad_inputs import load_script
+
+    from benchmarks import vlm_vs_trl
+    from gpu_suite.vlm import benchmark_argv
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("{}\n")
+    (tmp_path / "model").mkdir()
+    on_a_gpu = argparse.Namespace(cuda=True, work=str(tmp_path))
+    args = vlm_vs_trl.parse_args(benchmark_argv(on_a_gpu, str(tmp_path / "model"), trl=True))
+    args.bf16 = True  # measure()'s default with CUDA
+    recipe = load_script("finetune_vlm").parse_args(vlm_vs_trl.ours_argv(args, args.model_name_or_path, str(train),
+                                                                         str(tmp_path / "out")))
+    assert (recipe.mixed_precision, recipe.per_device_train_batch_size, recipe.max_steps) == ("bf16", 16, 12)
+    assert not args.ours_only
