@@ -47,8 +47,7 @@ from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags,
                                     enable_gradient_checkpointing, load_finetuning_config)
 from common.inputs.responses import naming_the_failing_row, rows_of
 from common.inputs.shapes import build_shapes_task, build_tiny_vlm
-from common.inputs.vision_models import (fill_deepspeed_sizes, freeze_vision_parts, language_model_linears,
-                                         shard_units, shard_vision_and_decoder_blocks)
+from common.inputs.vision_models import fit_engines, freeze_vision_parts, language_model_linears, shard_units
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -255,8 +254,7 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     model = build_model(args, config, accelerator)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-    fill_deepspeed_sizes(accelerator, config)
-    shard_vision_and_decoder_blocks(accelerator, model)
+    fit_engines(accelerator, model)  # DeepSpeed's bucket sizes, FSDP2's shard units
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     if accelerator.is_fsdp2:

@@ -97,3 +97,9 @@ def shard_units(model: nn.Module) -> dict[str, int]:
             name = type(module).__name__.removeprefix("FSDP")
             units[name] = units.get(name, 0) + 1
     return units
+
+
+def fit_engines(accelerator, model: nn.Module) -> None:
+    """Before `prepare`: what DeepSpeed and FSDP2 would take from a text model, taken from the VLM's parts."""
+    fill_deepspeed_sizes(accelerator, model.config)
+    shard_vision_and_decoder_blocks(accelerator, model)
