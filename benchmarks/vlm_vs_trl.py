@@ -8,9 +8,9 @@ TRL is not a dependency: it must be importable by this interpreter (`pip install
 and DIR on PYTHONPATH), or `--ours_only`. Both: one process, fp32 (`--bf16`: bf16 autocast on both sides, the default
 with CUDA), no gradient checkpointing, images decoded in the collator of the main process (no workers), batches padded
 to their longest row. Tokens/s: the rows' mean length through the processor (their image tokens included, the first
-64 rows) x the batch over the median step, the same count for both sides. The GPU suite's `perf_vlm` row runs this. TRL 1.16's VLM collator
-(`DataCollatorForVisionLanguageModeling`) puts the loss on every token but the padding for `messages` rows (ours: the
-answers only), which changes nothing of a step's work. Ours: step times from metrics.jsonl (`--logging_steps 1`);
+64 rows) x the batch over the median step, the same count for both sides. The GPU suite's `perf_vlm` row runs this.
+TRL 1.16's VLM collator (`DataCollatorForVisionLanguageModeling`) puts the loss on every token but the padding for
+`messages` rows (ours: the answers only), which changes nothing of a step's work. Ours: step times from metrics.jsonl (`--logging_steps 1`);
 TRL: a callback times each step.
 """
 

@@ -20,7 +20,8 @@ NO_TRL_ON_CUDA = "trl is not importable: carry it (tools/lent_gpu.sh --wheels pi
 
 
 def prepare(suite: Suite) -> str:
-    """The VLM's folder: the default's encoder around a 125m-shaped Llama on a GPU; the default's tiny model on a CPU."""
+    """The VLM's folder: the default's encoder around a 125m-shaped Llama on a GPU, the default's tiny model on a
+    CPU."""
     import torch
 
     from common.inputs.data import train_bpe_tokenizer

@@ -254,7 +254,7 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     model = build_model(args, config, accelerator)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-    fit_engines(accelerator, model)  # DeepSpeed's bucket sizes, FSDP2's shard units
+    fit_engines(accelerator, model)  # DeepSpeed's bucket sizes, FSDP2's shard units, DDP's unused parameters
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     if accelerator.is_fsdp2:

@@ -232,8 +232,8 @@ def test_accumulation_equals_one_batch_in_process_for_qwen2_vl(vlm):
 @pytest.mark.parametrize("architecture", ["llava", "qwen"])
 def test_a_blank_image_changes_no_loss_or_gradient(vlm, architecture):
     """A batch without images gets a blank image after its padding (with more than one process): the loss is bit for
-    bit the one without it, every gradient within 1e-6 relative, and the vision encoder runs (its gradients exactly 0). The stacks of
-    blocks that FSDP2 shards are the encoder's blocks and the decoder's layers."""
+    bit the one without it, every gradient within 1e-6 relative, and the vision encoder runs (its gradients exactly
+    0). The stacks of blocks that FSDP2 shards are the encoder's blocks and the decoder's layers."""
     from common.inputs.images import ImageTextCollator, tokenize_image_rows, vision_token_ids
     from common.inputs.vision_models import block_classes
 

@@ -100,6 +100,11 @@ def shard_units(model: nn.Module) -> dict[str, int]:
 
 
 def fit_engines(accelerator, model: nn.Module) -> None:
-    """Before `prepare`: what DeepSpeed and FSDP2 would take from a text model, taken from the VLM's parts."""
+    """Before `prepare`: what DeepSpeed and FSDP2 would take from a text model, taken from the VLM's parts; and DDP
+    told that some parameters never get a gradient (LLaVA's features come from the encoder's second-to-last layer by
+    default: its last layer and norm are never used)."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
     fill_deepspeed_sizes(accelerator, model.config)
     shard_vision_and_decoder_blocks(accelerator, model)
+    accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
