@@ -230,7 +230,7 @@ class ImageTextCollator:
 
     def with_blank_image(self, batch) -> dict:
         """The batch with a blank image's tokens after its padding: no token attends to them and none is labelled, so
-        the loss and every gradient are unchanged, but the vision encoder runs. Under ZeRO and FSDP a process whose
+        the loss and the gradients are those without them (up to summation order), but the vision encoder runs. Under ZeRO and FSDP a process whose
         batch skipped the encoder would leave the others waiting in its collectives (LLaMA-Factory adds such a fake
         image for the same reason)."""
         from PIL import Image
@@ -302,8 +302,8 @@ def sample_answer(folder: str, row: dict, columns: argparse.Namespace, data_fold
     images = [open_image(image, data_folder).convert("RGB") for image in images_of(row, columns)]
     text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    # This process alone: under ZeRO-3, the model is not built partitioned and generate() does not step in lockstep
-    # with the other processes (synced_gpus), whose all_reduce they never join: the run hung there.
+    # This process alone: under ZeRO-3 the model is not built partitioned, and generate() does not step in lockstep
+    # with the other processes (synced_gpus: an all_reduce a token that they never join; the run hung there)
     with outside_zero3(), torch.no_grad():
         model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
         generated = model.generate(**inputs, max_new_tokens=16, do_sample=False)
