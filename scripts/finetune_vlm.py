@@ -5,7 +5,8 @@
     accelerate launch scripts/finetune_vlm.py --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct \\
         --train_file receipts.jsonl --bf16 --freeze_vision_tower --gradient_checkpointing
 
-Models: any `AutoModelForImageTextToText` with its `AutoProcessor` (LLaVA-style, Qwen2-VL-style, Idefics3/SmolVLM).
+Models: any `AutoModelForImageTextToText` with its `AutoProcessor` (LLaVA-style, Qwen2-VL-style, Idefics3/SmolVLM;
+Qwen2-VL's processor needs torchvision, not pinned: docs/vlm.md).
 Data: TRL's formats (jsonl/csv/parquet or a hub dataset): a `messages` column of chat turns whose content lists hold
 `{"type": "image"}` placeholders and an `images` column (paths relative to the data file, bytes, or Image features),
 or prompt/completion rows with images. Images are decoded and processed in the data loader's workers; labels are
