@@ -22,6 +22,7 @@ from gpu_suite.headline import CAPS_S, headline_rows
 from gpu_suite.performance import part2_rows
 from gpu_suite.report import part_label, summary_table, write_results
 from gpu_suite.schedule import run_rows
+from gpu_suite.vlm import vlm_rows
 from gpu_suite.suite import FAIL, ROOT, Suite
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     began = time.monotonic()
     args = parse_args()
-    rows = part1_rows() + part2_rows() + adapter_rows() + checkpoint_rows() + grpo_rows()
+    rows = part1_rows() + part2_rows() + adapter_rows() + checkpoint_rows() + grpo_rows() + vlm_rows()
     rows = headline_rows(rows) if args.part == "headline" else \
         [r for r in rows if args.part in (None, "all", str(r.part))]
     if args.list:

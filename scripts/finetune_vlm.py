@@ -5,7 +5,8 @@
     accelerate launch scripts/finetune_vlm.py --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct \\
         --train_file receipts.jsonl --bf16 --freeze_vision_tower --gradient_checkpointing
 
-Models: any `AutoModelForImageTextToText` with its `AutoProcessor` (LLaVA-style, Qwen2-VL-style, Idefics3/SmolVLM).
+Models: any `AutoModelForImageTextToText` with its `AutoProcessor` (LLaVA-style, Qwen2-VL-style, Idefics3/SmolVLM;
+Qwen2-VL's processor needs torchvision, not pinned: docs/vlm.md).
 Data: TRL's formats (jsonl/csv/parquet or a hub dataset): a `messages` column of chat turns whose content lists hold
 `{"type": "image"}` placeholders and an `images` column (paths relative to the data file, bytes, or Image features),
 or prompt/completion rows with images. Images are decoded and processed in the data loader's workers; labels are
@@ -27,10 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from datasets import Image, List
 from torch.utils.data import DataLoader
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from common.accumulation import backward_loss, check_loss_honours_num_items, count_label_tokens
 from common.checkpoint import CheckpointExtras, find_checkpoint_to_resume, save_checkpoint
@@ -42,13 +42,13 @@ from common.inputs import from_pretrained_or_fail
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
 from common.inputs.data import check_data_files, load_raw_datasets
 from common.inputs.images import (ImageTextCollator, as_messages, check_processor, check_takes_images,
-                                  evaluate_image_text, image_problem, row_cutting_an_image, sample_answer,
-                                  tokenize_image_rows, vision_token_ids)
+                                  evaluate_image_text, image_problem, load_processor, row_cutting_an_image,
+                                  sample_answer, tokenize_image_rows, vision_token_ids)
 from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags, count_parameters,
                                     enable_gradient_checkpointing, load_finetuning_config)
 from common.inputs.responses import naming_the_failing_row, rows_of
 from common.inputs.shapes import build_shapes_task, build_tiny_vlm
-from common.inputs.vision_models import fill_deepspeed_sizes, freeze_vision_parts, language_model_linears
+from common.inputs.vision_models import fit_engines, freeze_vision_parts, language_model_linears, shard_units
 from common.lifecycle import RunLifecycle, finish
 from common.optim import create_optimizer_and_scheduler
 from common.runtime import build_accelerator
@@ -124,8 +124,8 @@ def main() -> None:
         args.model_name_or_path = build_tiny_vlm(args.cache_dir, language_model)
     config = load_finetuning_config(args)  # cheap: checks the flags against the model before any heavy work
     check_takes_images(config)
-    processor = from_pretrained_or_fail(AutoProcessor.from_pretrained, args.tokenizer_name or args.model_name_or_path,
-                                        "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path")
+    processor = load_processor(args.tokenizer_name or args.model_name_or_path,
+                               "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path")
     check_processor(processor)
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
@@ -210,7 +210,9 @@ def load_image_text_data(args, accelerator, processor, config):
 
 def build_dataloaders(args, accelerator, processor, data, vision_ids):
     """Padded batches of decoded, processed images and their text, optionally grouped by length."""
-    collate = ImageTextCollator(processor, vision_ids, args.max_seq_length, pad_to_multiple_of(accelerator))
+    # With more than one process, a batch without images runs the encoder on a blank one (ZeRO and FSDP need it)
+    collate = ImageTextCollator(processor, vision_ids, args.max_seq_length, pad_to_multiple_of(accelerator),
+                                vision_in_every_batch=accelerator.num_processes > 1)
     sampler = None
     if args.group_by_length:
         sampler = EpochLengthGroupedSampler(data["train"]["length"], args.per_device_train_batch_size, args.seed)
@@ -245,8 +247,6 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     ga = args.gradient_accumulation_steps
     data, vision_ids = load_image_text_data(args, accelerator, processor, config)
     train_dataloader, eval_dataloader = build_dataloaders(args, accelerator, processor, data, vision_ids)
-    if not all(data["train"]["images"]):  # a batch without images leaves the vision tower out of its backward
-        accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
     dp = accelerator.num_processes
     steps_per_epoch, total_steps = count_optimizer_steps(train_dataloader, ga, dp, args.max_steps,
                                                          args.num_train_epochs)
@@ -255,9 +255,11 @@ def train(args, config, processor, accelerator, resume_from: str | None, extras:
     model = build_model(args, config, accelerator)
     trainable, total_params = count_parameters(model)
     optimizer, lr_scheduler = create_optimizer_and_scheduler(args, model, accelerator, total_steps)
-    fill_deepspeed_sizes(accelerator, config)
+    fit_engines(accelerator, model)  # DeepSpeed's bucket sizes, FSDP2's shard units, DDP's unused parameters
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    if accelerator.is_fsdp2:
+        logger.info(f"FSDP2 shard units: {shard_units(model)}")
     check_loss_honours_num_items(model, accelerator)
     progress, log, guard = run.start(total_steps, steps_per_epoch, args.logging_steps,
                                      trackers=("finetune_vlm", vars(args)))
@@ -361,9 +363,6 @@ def build_model(args, config, accelerator):
 def show_sample_answer(args, accelerator) -> None:
     """The export, reloaded with the Auto classes, answers the first held-out row (the main process only)."""
     if not accelerator.is_main_process:
-        return
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # the reload hung there (docs/vlm.md)
-        logger.info("no sample answer under DeepSpeed: load the export in a new process")
         return
     folder = args.output_dir
     if args.use_peft:  # feature: lora

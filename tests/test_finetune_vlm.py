@@ -228,6 +228,37 @@ def test_accumulation_equals_one_batch_in_process_for_qwen2_vl(vlm):
         assert (one[name] - four[name]).norm() <= 1e-5 * one[name].norm() + 1e-12, name
 
 
+
+@pytest.mark.parametrize("architecture", ["llava", "qwen"])
+def test_a_blank_image_changes_no_loss_or_gradient(vlm, architecture):
+    """A batch without images gets a blank image after its padding (with more than one process): the loss is bit for
+    bit the one without it, every gradient within 1e-6 relative, and the vision encoder runs (its gradients exactly
+    0). The stacks of blocks that FSDP2 shards are the encoder's blocks and the decoder's layers."""
+    from common.inputs.images import ImageTextCollator, tokenize_image_rows, vision_token_ids
+    from common.inputs.vision_models import block_classes
+
+    model, processor = vlm[f"{architecture}_model"], vlm[f"{architecture}_processor"]
+    rows = [row for row in rows_of_file(vlm["train"]) if not row["images"]][:3]
+    keys = sorted({k for row in rows for k in row})
+    tokenized = tokenize_image_rows({k: [row.get(k) for row in rows] for k in keys}, processor, COLUMNS, vlm["dir"])
+    items = [{k: tokenized[k][i] for k in tokenized} for i in range(len(rows))]
+    results = []
+    for blank in (False, True):
+        batch = ImageTextCollator(processor, vision_token_ids(processor, model.config), None, 8, blank)(items)
+        assert ("pixel_values" in batch) == blank
+        model.zero_grad()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (blanked, blanked_grads) = results
+    assert plain == blanked
+    for name, grad in plain_grads.items():  # sums over a longer sequence: Qwen2-VL's bias and norm gradients 1e-7 apart
+        assert (blanked_grads[name] - grad).norm() <= 1e-6 * grad.norm(), name
+    assert {n for n in blanked_grads if n not in plain_grads} and not any(
+        blanked_grads[n].any() for n in blanked_grads if n not in plain_grads)
+    assert block_classes(model) == (["CLIPEncoderLayer", "LlamaDecoderLayer"] if architecture == "llava" else
+                                    ["Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"])
+
 @pytest.mark.parametrize("architecture", ["llava", "qwen"])
 def test_the_freezing_flags_and_lora_targets_find_each_part(vlm, architecture):
     """--freeze_vision_tower stops the encoder (not Qwen-VL's merger inside it), --freeze_projector the projector;
@@ -297,6 +328,27 @@ def test_accumulation_and_processes_equal_one_batch(vlm, one_batch_runs):
     assert 0 <= results["eval_accuracy"] <= 1 and results["images_per_second"] > 0
 
 
+
+def test_zero3_and_fsdp2_on_2_processes_equal_one_batch(vlm, one_batch_runs):
+    """2 processes x 2 x 2 under ZeRO-3 (ds_configs/zero3.json) and FSDP2 end where 1 x 8 does (losses 1e-6, weights
+    1e-5 relative), on rows with 0-2 images (a process whose batch has none runs the encoder on a blank image: else
+    it leaves the others in their collectives); FSDP2's shard units are the vision blocks and the decoder layers; the
+    reloaded export answers under ZeRO-3 too (it hung there: a hang now fails at the timeout)."""
+    d, shown = vlm["dir"], {}
+    for config in ("deepspeed_zero3.yaml", "fsdp2.yaml"):
+        out = f"{d}/{config.split('.')[0]}"
+        proc = run_script("finetune_vlm.py", "--model_name_or_path", vlm["llava"], "--train_file", vlm["train"],
+                          "--validation_file", vlm["validation"], "--output_dir", out, "--max_steps", "2",
+                          "--learning_rate", LR, "--logging_steps", "1", "--seed", "0", "--mixed_precision", "no",
+                          "--adam_epsilon", EPSILON, "--per_device_train_batch_size", "2",
+                          "--gradient_accumulation_steps", "2", launcher=launcher(config), timeout=240)
+        shown[config] = proc.stdout + proc.stderr
+        assert train_losses(out) == pytest.approx(train_losses(one_batch_runs["full"]), abs=1e-6), config
+        assert relative_difference(out, one_batch_runs["full"]) < 1e-5, config
+    assert "sample answer of the reloaded export" in shown["deepspeed_zero3.yaml"]
+    assert "FSDP2 shard units: {'LlavaForConditionalGeneration': 1, 'CLIPEncoderLayer': 2, 'Embedding': 1, " \
+        "'LlamaDecoderLayer': 2, 'Linear': 1}" in shown["fsdp2.yaml"]  # the root; embeddings and head their own
+
 def test_a_run_killed_at_a_random_step_resumes_to_the_same_weights_and_rows(vlm):
     """Dropout on (attention, both towers); checkpoints every 2 of 8 steps; SIGKILL once step k (seeded) is logged;
     the resumed run ends bit for bit as the uninterrupted one, with the same metric rows. Every attempt is started
@@ -331,7 +383,8 @@ def test_a_run_killed_at_a_random_step_resumes_to_the_same_weights_and_rows(vlm)
 
 def test_bad_inputs_are_one_line_before_any_model_is_built(vlm, tmp_path):
     """A missing image, more placeholders than images, images without placeholders, a text-only model, a processor
-    whose image token the tokenizer lacks, a --max_seq_length that would cut an image: exit 2, one `error:` line."""
+    whose image token the tokenizer lacks, a --max_seq_length that would cut an image, a Qwen2-VL processor without
+    torchvision (its video processor needs it): exit 2, one `error:` line."""
     rows = rows_of_file(vlm["train"])
     with_image = next(i for i, row in enumerate(rows) if row["images"] and "messages" in row)
 
@@ -354,6 +407,14 @@ def test_bad_inputs_are_one_line_before_any_model_is_built(vlm, tmp_path):
     processor_config = json.loads((bad_token / "processor_config.json").read_text())
     processor_config["image_token"] = "<picture>"
     (bad_token / "processor_config.json").write_text(json.dumps(processor_config))
+    qwen = tmp_path / "qwen"  # as a hub checkout of Qwen2-VL holds it: a video processor beside the image processor
+    vlm["qwen_model"].save_pretrained(qwen)
+    vlm["qwen_processor"].save_pretrained(qwen)
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        (qwen / name).write_text((qwen / name).read_text().replace("ImageOnlyQwen2VLProcessor", "Qwen2VLProcessor"))
+    image_processor = json.loads((qwen / "processor_config.json").read_text())["image_processor"]
+    (qwen / "video_preprocessor_config.json").write_text(json.dumps(
+        {**image_processor, "image_processor_type": None, "video_processor_type": "Qwen2VLVideoProcessor"}))
     n = with_image + 1
     cases = {
         "missing": (data(lambda row: row.update(images=["nowhere.png"])), vlm["llava"], (),
@@ -365,6 +426,8 @@ def test_bad_inputs_are_one_line_before_any_model_is_built(vlm, tmp_path):
         "text-only model": (vlm["train"], str(text_only), (), "the model (llama) takes no images"),
         "image token": (vlm["train"], str(bad_token), (), "the processor's image token '<picture>' is not a token"),
         "cut image": (vlm["train"], vlm["llava"], ("--max_seq_length", "12"), "would cut inside an image's tokens"),
+        "no torchvision": (vlm["train"], str(qwen), (), "Qwen2VLVideoProcessor requires the Torchvision library, "
+                           "which is not installed"),
     }
     for name, (train, model, extra, expected) in cases.items():
         out = tmp_path / f"out-{name.replace(' ', '-')}"
@@ -387,3 +450,23 @@ def test_a_copy_without_its_features_trains_exactly_as_the_original(vlm, one_bat
                "--adam_epsilon", EPSILON, "--per_device_train_batch_size", "8", env={"PYTHONPATH": os.path.dirname(SCRIPTS)})
     assert train_losses(str(tmp_path / "copy")) == train_losses(one_batch_runs["full"])
     assert relative_difference(str(tmp_path / "copy"), one_batch_runs["full"]) == 0.0
+
+
+def test_the_gpu_suite_row_passes_the_recipe_s_flag_checks(tmp_path):
+    """The perf_vlm row (gpu_suite/vlm.py, prepared for a GPU, left out of the dry run): the command its benchmark
+    gives the recipe on a GPU passes scripts/finetune_vlm.py's flag checks (a renamed flag or value fails here)."""
+    from test_bad_inputs import load_script
+
+    from benchmarks import vlm_vs_trl
+    from gpu_suite.vlm import benchmark_argv
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("{}\n")
+    (tmp_path / "model").mkdir()
+    on_a_gpu = argparse.Namespace(cuda=True, work=str(tmp_path))
+    args = vlm_vs_trl.parse_args(benchmark_argv(on_a_gpu, str(tmp_path / "model"), trl=True))
+    args.bf16 = True  # measure()'s default with CUDA
+    recipe = load_script("finetune_vlm").parse_args(vlm_vs_trl.ours_argv(args, args.model_name_or_path, str(train),
+                                                                         str(tmp_path / "out")))
+    assert (recipe.mixed_precision, recipe.per_device_train_batch_size, recipe.max_steps) == ("bf16", 16, 12)
+    assert not args.ours_only

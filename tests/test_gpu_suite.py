@@ -41,7 +41,7 @@ from conftest import ROOT
 SAME_PLUMBING = ("fused_adamw", "paged_adamw_8bit", "adafactor", "gradient_checkpointing")
 SKIPPED_HERE = ("compile,zero1,zero3,*offload,fsdp2,perf_bf16_compile*,perf_plain_loop,perf_long_none,perf_long_every2,"
                 "perf_long_full,perf_qlora_8b,dpo_zero3,perf_trainer*,perf_peer_table,perf_profile_step,perf_*_8x,"
-                "perf_grpo," + ",".join(SAME_PLUMBING))
+                "perf_grpo,perf_vlm," + ",".join(SAME_PLUMBING))
 CUDA_ONLY = {"fp16", "tf32", "tp", "fp8", "perf_fp8_compile", "perf_mfu_goal", "perf_largest_presets", "liger",
              "sft_liger", "dpo_liger"}
 CPU_ROWS = {"bf16", "eager", "adamw_8bit", "moe", "accumulation", "zero2", "sft", "dpo", "dpo_precomputed", "classifier",
@@ -116,7 +116,7 @@ def test_cpu_rows_really_run_and_pass(dry_run):
                           "perf_plain_loop", "perf_long_none", "perf_long_every2", "perf_long_full",
                           "perf_long_offload", "perf_qlora_8b", "dpo_zero3", "perf_trainer", "perf_peer_table",
                           "perf_profile_step", "perf_bf16_compile_8x", "perf_plain_loop_8x", "perf_trainer_8x",
-                          "perf_liger_8x", "perf_grpo", *SAME_PLUMBING}
+                          "perf_liger_8x", "perf_grpo", "perf_vlm", *SAME_PLUMBING}
     assert all(rows[name][0] == "SKIP" for name in deselected)
 
 

@@ -3,11 +3,13 @@ its answer adds up, reads only the model's config.json, and each flag moves the 
 and, on shapes it was not tuned on, it is within 5 % of the peak torch's memory profiler measures
 (benchmarks/profile_memory.py) for the same command on a CPU (`--device cpu`: the CPU's kernels keep what a GPU's
 do not, docs/configs-and-memory.md). One profiled run per kind: a narrow and a Llama-3-wide MLP (3.5x), GQA 4:1, a
-vocabulary 30x the hidden size, LoRA, QLoRA, the chunked loss, offloading, full fine-tuning and DPO; bf16,
+vocabulary 30x the hidden size, LoRA, QLoRA, the chunked loss, offloading, full fine-tuning, DPO and a
+vision-language model (scripts/finetune_vlm.py); bf16,
 checkpointing, batch 2 x 128 tokens, 2 layers, hidden 128."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -42,6 +44,8 @@ HELD_OUT = {  # kind -> (shape, recipe, flags)
     "offloading, LoRA": ("wide", "finetune_causal_lm.py", ["--use_peft", "--activation_offloading"]),
     "full fine-tuning": ("wide", "finetune_causal_lm.py", []),
     "DPO, LoRA": ("wide", "finetune_dpo.py", ["--use_peft"]),
+    # the wide Llama behind a CLIP-like encoder (hidden 64, 2 layers, 17 tokens an image), one image a row
+    "vision-language, full fine-tuning": ("vlm", "finetune_vlm.py", []),
 }
 
 
@@ -69,12 +73,45 @@ def bases(tmp_path_factory) -> dict[str, str]:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder / name)
         tokenizer.save_pretrained(folder / name)
+    write_tiny_vlm(folder, tokenizer, [{"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe: " + words(8)}]},
+        {"role": "assistant", "content": [{"type": "text", "text": words(SEQ)}]}], "images": [f"{i}.png"]}
+        for i in range(12)])
     return {"root": str(folder)}
+
+
+def write_tiny_vlm(folder, tokenizer, rows: list[dict]) -> None:
+    """folder/vlm: a LLaVA-style bf16 model, the wide shape's Llama behind a CLIP-like encoder; its rows and images."""
+    from PIL import Image
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor)
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from common.inputs.shapes import CHAT_TEMPLATE, IMAGE_TOKEN, TURN_END, TURN_START
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, TURN_START, TURN_END]})
+    processor = LlavaProcessor(image_processor=LlavaImageProcessorPil(size={"shortest_edge": 32},
+                                                                      crop_size={"height": 32, "width": 32}),
+                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="full",
+                               image_token=IMAGE_TOKEN, num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    text = LlamaConfig(**{**SHAPES["wide"], "vocab_size": len(tokenizer)}, num_hidden_layers=2,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlavaConfig(text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=4, image_size=32, patch_size=8),
+                         vision_feature_select_strategy="full", vision_feature_layer=-1)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(folder / "vlm")
+    processor.save_pretrained(folder / "vlm")
+    for i in range(len(rows)):
+        Image.new("RGB", (32, 32), (40 * i % 256, 90, 200)).save(folder / f"{i}.png")
+    for split, part in (("train", rows[:10]), ("validation", rows[10:])):
+        (folder / f"vlm_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
 
 
 def recipe_command(bases: dict, kind: str, tmp_path) -> list[str]:
     shape, recipe, flags = HELD_OUT[kind]
-    data = "dpo" if recipe == "finetune_dpo.py" else "sft_long" if "512" in flags else "sft"
+    data = {"finetune_dpo.py": "dpo", "finetune_vlm.py": "vlm"}.get(recipe, "sft_long" if "512" in flags else "sft")
     root = bases["root"]
     return [os.path.join(ROOT, "scripts", recipe), "--model_name_or_path", os.path.join(root, shape),
             "--train_file", os.path.join(root, f"{data}_train.jsonl"), "--validation_file",
@@ -118,6 +155,40 @@ def answer_for(model: str, *flags: str, gpu_gb: float = 24) -> dict:
                "--per_device_train_batch_size", "2", "--gradient_checkpointing", *flags]
     return estimate_memory.command_answer(command, gpu_gb)
 
+
+
+def test_the_vision_language_flags_move_their_parts(tmp_path, capsys):
+    """scripts/finetune_vlm.py, from config.json alone: all parameters hold weights; --freeze_vision_tower takes the
+    encoder's AdamW states (8 bytes a parameter) and gradients and its activations away; a second image a row
+    doubles those;
+    LoRA adapts the language model only; a Qwen2-VL config (tokens per image vary) asks for --image_patches."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2VLConfig
+
+    LlavaConfig(text_config=LlamaConfig(**SHAPES["wide"], num_hidden_layers=2), image_token_id=5,
+                vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=32, patch_size=8)
+                ).save_pretrained(tmp_path / "llava")
+    command = ["scripts/finetune_vlm.py", "--model_name_or_path", str(tmp_path / "llava"), "--bf16",
+               "--max_seq_length", "128", "--per_device_train_batch_size", "2"]
+    full, frozen, lora = (estimate_memory.command_answer(command + flags, 80) for flags in (
+        [], ["--freeze_vision_tower"], ["--use_peft"]))
+    two_images = estimate_memory.command_answer(command, 80, images_per_row=2)
+    shape = estimate_memory.model_shape(argparse.Namespace(params=None, config_name=str(tmp_path / "llava"),
+                                                           model_preset=None, vocab_size=None))
+    assert shape.image_patches == 17 and shape.vision_layers == 2 and shape.vision_params > 0
+    assert full["parameters"] == lora["parameters"] == shape.params
+    assert full["parts"]["optimizer states"] - frozen["parts"]["optimizer states"] == 8 * shape.vision_params
+    assert full["parts"]["vision activations kept"] == 2 * 17 * 2 * 64 * 34  # tokens x layers x hidden x 34
+    assert two_images["parts"]["vision activations kept"] == 2 * full["parts"]["vision activations kept"]
+    assert "vision activations kept" not in frozen["parts"] and "vision activations kept" not in lora["parts"]
+    assert shape.lora_per_rank == sum(2 * (128 + 128) + 2 * (128 + 128) + 3 * (128 + 448) for _ in range(2))
+    Qwen2VLConfig(text_config=dict(SHAPES["wide"], num_hidden_layers=2), vision_config=dict(depth=2, embed_dim=32)
+                  ).save_pretrained(tmp_path / "qwen")
+    with pytest.raises(SystemExit):
+        estimate_memory.main(["--", *command[:2], str(tmp_path / "qwen"), *command[3:]])
+    assert "give --image_patches" in capsys.readouterr().err
+    assert estimate_memory.command_answer(command[:2] + [str(tmp_path / "qwen")] + command[3:], 80,
+                                          image_patches=64)["parts"]["vision activations kept"] > 0
 
 def test_the_answer_adds_up_reads_only_the_config_and_says_if_it_fits(llama_8b_config, capsys):
     """One answer for the command: its parts add up to the peak, in JSON and in text alike; the verdict follows

@@ -61,6 +61,11 @@ Accounting, in bytes per parameter (Ψ parameters, N GPUs in all, bf16 mixed pre
   one forward), plus the reference: live, a frozen fp32 copy (4 per parameter; fp32 so that both models compute alike)
   and its no-grad forward's logits (6 bytes per token per vocabulary entry, one micro-batch at a time); precomputed
   (--precompute_ref_log_probs), nothing during training; with LoRA / QLoRA, nothing (the adapter disabled).
+- Vision-language (scripts/finetune_vlm.py, one command): the language model as above, --max_seq_length counting the
+  image tokens; every parameter holds its weights, the frozen parts (--freeze_vision_tower, --freeze_projector) no
+  gradients or optimizer states; a trained vision encoder keeps 34·h_v bytes per encoder token and layer (4·h_v, its
+  fp32 input, with checkpointing): --image_patches tokens an image (default: the config's image_size/patch_size),
+  --images_per_row images a row. LoRA adapts the language model only; the encoder then keeps nothing.
 A config "fits" when its per-GPU total stays under 90% of the GPU's memory (the rest: CUDA context, allocator
 fragmentation, communication buffers), and its host total under 90% of --host_memory_gb when that is given. The
 pick is the first fitting row (rows run fastest first), preferring activation checkpointing (~20-30% slower) to
@@ -105,6 +110,11 @@ class ModelShape:
     intermediate: int | None = None  # the MLP's width
     kv_hidden: int | None = None  # keys' (and values') width: heads of keys x head size
     replicated: int = 0  # parameters tensor parallelism leaves whole on every GPU (the norms); 0 when unknown
+    vision_params: int = 0  # a vision-language model's vision encoder (its projector apart)
+    projector_params: int = 0
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    image_patches: int | None = None  # the encoder's tokens per image (from image_size and patch_size), if fixed
 
 
 @dataclass
@@ -159,11 +169,22 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                                                 model_preset=args.model_preset))
     if args.vocab_size:
         config.vocab_size = args.vocab_size
+    if hasattr(config, "vision_config"):
+        return vision_language_shape(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    units = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model.base_model, "layers", [])]
+    return language_model_shape(model, config)
+
+
+def language_model_shape(model, config) -> ModelShape:
+    """A causal LM's shape from its (meta) model; `model` may be a vision-language model, whose language part this
+    is (`config` then its text config)."""
+    import torch
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    units = [sum(p.numel() for p in layer.parameters()) for layer in getattr(decoder, "layers", [])]
     units += [model.get_input_embeddings().weight.numel(), model.get_output_embeddings().weight.numel()]
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
+    linear = [m for m in decoder.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
     # tensor parallelism splits the linear layers and the embeddings; the rest (the norms) is replicated
     split = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
              for p in m.parameters(recurse=False)}  # a tied head's weight is the embedding's
@@ -177,6 +198,31 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
                       kv_hidden=config.hidden_size * getattr(config, "num_key_value_heads", config.num_attention_heads)
                       // config.num_attention_heads,
                       replicated=sum(p.numel() for p in model.parameters() if id(p) not in split))
+
+
+def vision_language_shape(config) -> ModelShape:
+    """A vision-language model (scripts/finetune_vlm.py): the language model's shape (its decoder layers, LoRA's
+    targets), all parameters counted, and the vision encoder's size apart (common/inputs/vision_models.py's parts)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from common.inputs.vision_models import PROJECTORS, VISION_TOWERS, named_part
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    shape = language_model_shape(model, config.get_text_config())
+    shape.params = sum(p.numel() for p in model.parameters())
+    tower, projector = named_part(model, VISION_TOWERS)[1], named_part(model, PROJECTORS)
+    shape.projector_params = sum(p.numel() for p in projector[1].parameters()) if projector else 0
+    shape.vision_params = sum(p.numel() for p in tower.parameters()) - (
+        shape.projector_params if projector and projector[0].startswith(named_part(model, VISION_TOWERS)[0]) else 0)
+    vision = config.vision_config
+    shape.vision_layers = getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)
+    shape.vision_hidden = getattr(vision, "embed_dim", None) or vision.hidden_size
+    if getattr(vision, "image_size", None) and getattr(vision, "patch_size", None):
+        shape.image_patches = (vision.image_size // vision.patch_size) ** 2 + (
+            1 if getattr(vision, "model_type", "").startswith("clip") else 0)  # CLIP's class token
+    return shape
 
 
 # QLoRA: bitsandbytes 0.50's 4-bit matmul is fused in the forward; its backward dequantizes the weight to bf16 for
@@ -253,6 +299,8 @@ class Run:
     reference_bytes: float = 0  # DPO's live reference: a frozen fp32 copy of the model
     ddp_buckets: bool = False  # DDP over several processes: a second fp32 copy of the gradients
     tp: int = 1  # tensor-parallel size: the heads- and MLP-wide activations split, the head's weight too
+    frozen: int = 0  # parameters a full fine-tuning leaves untrained (finetune_vlm.py's --freeze_vision_tower/...)
+    vision_tokens: int = 0  # the vision encoder's tokens per micro-batch when it trains (it keeps nothing if not)
 
 
 # peak_memory's parts that are model states, not activations
@@ -278,7 +326,7 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
     tokens, h, v = run.seq * run.batch, shape.hidden, shape.vocab
     _, _, base, trained = next(o for o in adapter_options(shape, run.lora_r, run.nested) if o[0] == run.method)
     full = run.method == "full fine-tuning"
-    trained_params = trained / 16 if not full else shape.params
+    trained_params = trained / 16 if not full else shape.params - run.frozen
     residual = 4 if full else 2  # fp32 embeddings make the residual stream fp32; a bf16 base keeps it bf16
     adapter_inputs = adapter_input_bytes(shape, run)
     uncheckpointed = {"none": shape.layers, "op": shape.layers,
@@ -292,6 +340,9 @@ def peak_memory(shape: ModelShape, run: Run) -> dict[str, float]:
               "activations kept": tokens * shape.layers
               * per_token_layer_bytes(shape, mode, run.every, residual, run.tp)
               + tokens * uncheckpointed * adapter_inputs,
+              # a trained vision encoder: a layer's input (fp32) each when checkpointed, else Korthikanti's 34·h
+              "vision activations kept": run.vision_tokens * shape.vision_layers * shape.vision_hidden
+              * (4 if run.mode != "none" else 34),
               "casts": 2 * shape.params if full and run.mode == "none" else 0}  # autocast's bf16 weights, kept
     recomputed = 0 if run.mode == "none" else tokens * (layer_activation_bytes(shape, residual, run.tp)
                                                          + adapter_inputs)
@@ -568,7 +619,8 @@ def report(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-RECIPES = ("pretrain_llama.py", "finetune_causal_lm.py", "finetune_dpo.py")  # the causal LMs: a Llama-like layer
+RECIPES = ("pretrain_llama.py", "finetune_causal_lm.py", "finetune_dpo.py",  # the causal LMs: a Llama-like layer
+           "finetune_vlm.py")  # a Llama-like language model, and a vision encoder
 EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
 
 
@@ -596,6 +648,8 @@ def recipe_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer_vocab_size", type=int, default=8192)  # pretrain_llama.py's trained tokenizer
     parser.add_argument("--precompute_ref_log_probs", action="store_true")  # finetune_dpo.py's
     parser.add_argument("--keep_dropout", action="store_true")  # finetune_dpo.py's: dropout is off without it
+    parser.add_argument("--freeze_vision_tower", action="store_true")  # finetune_vlm.py's
+    parser.add_argument("--freeze_projector", action="store_true")  # finetune_vlm.py's
     return parser.parse_known_args(argv)[0]
 
 
@@ -627,7 +681,8 @@ def launch_settings(command: list[str]) -> tuple[list[str], dict]:
     return command, {"config": settings, "num_processes": processes, "tp": tp}
 
 
-def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, Run, dict]:
+def command_run(command: list[str], device: str = "cuda", images_per_row: int = 1,
+                image_patches: int | None = None) -> tuple[ModelShape, Run, dict]:
     """The model shape, the Run and a description of the exact command after `--` (see `command_answer`)."""
     command, launch = launch_settings(command)
     if not command or os.path.basename(command[0]) not in RECIPES:
@@ -657,6 +712,13 @@ def command_run(command: list[str], device: str = "cuda") -> tuple[ModelShape, R
               args.lora_r, args.use_bnb_nested_quant, args.lora_dropout > 0 and (args.keep_dropout or not dpo), device,
               int(option) if option and option.isdigit() else 2, 4 * shape.params if live_reference else 0,
               launch["num_processes"] > 1 and launch["tp"] == 1, launch["tp"])
+    if shape.vision_layers:  # finetune_vlm.py: --max_seq_length counts the image tokens; the encoder's come apart
+        run.frozen = shape.vision_params * args.freeze_vision_tower + shape.projector_params * args.freeze_projector
+        patches = image_patches or shape.image_patches
+        if patches is None:
+            fail(f"{source}: its vision encoder's tokens per image depend on the image's size: give --image_patches")
+        if method == "full fine-tuning" and not args.freeze_vision_tower:
+            run.vision_tokens = patches * images_per_row * args.per_device_train_batch_size
     return shape, run, {"recipe": recipe, "model": source or f"preset {args.model_preset or 'tiny'}",
                         "launch": launch, "optim": args.optim}
 
@@ -695,10 +757,12 @@ def engine_states(shape: ModelShape, run: Run, launch: dict, optim: str) -> tupl
     return f"model states ({option.what}, {launch['num_processes']} GPUs)", option.states - saved
 
 
-def command_answer(command: list[str], gpu_memory_gb: float, device: str = "cuda") -> dict:
+def command_answer(command: list[str], gpu_memory_gb: float, device: str = "cuda", images_per_row: int = 1,
+                   image_patches: int | None = None) -> dict:
     """One answer for the exact command: the peak per GPU, the parts it is made of (they add up to it), where it
-    happens and whether it fits a GPU of `gpu_memory_gb`."""
-    shape, run, about = command_run(command, device)
+    happens and whether it fits a GPU of `gpu_memory_gb` (finetune_vlm.py: rows of `images_per_row` images, each
+    `image_patches` tokens in the vision encoder, by default its config's)."""
+    shape, run, about = command_run(command, device, images_per_row, image_patches)
     parts = {k: v for k, v in peak_memory(shape, run).items() if k != "total"}
     sharded = engine_states(shape, run, about["launch"], about["optim"])
     if sharded:
@@ -745,10 +809,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="Where the run computes: a GPU (cuda), or a CPU, whose kernels keep other buffers (the "
                              "tests compare a CPU's profiled peak with this).")
+    parser.add_argument("--images_per_row", type=int, default=1,
+                        help="scripts/finetune_vlm.py: images in a row (the vision encoder's tokens grow with them).")
+    parser.add_argument("--image_patches", type=int,
+                        help="scripts/finetune_vlm.py: the vision encoder's tokens per image (default: from its "
+                             "config's image_size and patch_size; needed where they vary, as in Qwen2-VL).")
     args = parser.parse_args(ours)
     if not (math.isfinite(args.gpu_memory_gb) and args.gpu_memory_gb > 0):
         fail(f"--gpu_memory_gb must be a finite number > 0 (got {args.gpu_memory_gb})")
-    answer = command_answer(command, args.gpu_memory_gb, args.device)
+    answer = command_answer(command, args.gpu_memory_gb, args.device, args.images_per_row, args.image_patches)
     print(json.dumps(answer) if args.json else command_report(answer))
 
 

@@ -98,6 +98,21 @@ def check_takes_images(config) -> None:
              "(AutoModelForImageTextToText), or use scripts/finetune_causal_lm.py for text")
 
 
+def load_processor(name: str, flag: str):
+    """The model's `AutoProcessor`. A processor with a part that needs a library not installed is one line: Qwen2-VL's
+    and Qwen2.5-VL's need torchvision for their video processor, even to take images (docs/vlm.md)."""
+    from transformers import AutoProcessor
+
+    from common.inputs import from_pretrained_or_fail
+
+    try:
+        return from_pretrained_or_fail(AutoProcessor.from_pretrained, name, flag)
+    except ImportError as e:
+        needs = " ".join(str(e).split()).split(" but ")[0]  # "Qwen2VLVideoProcessor requires the Torchvision library"
+        fail(f"{flag} {name}: its processor cannot load here: {needs}, which is not installed (torchvision: a build "
+             f"for torch {torch.__version__}; see docs/vlm.md)")
+
+
 def check_processor(processor) -> None:
     """A vision-language processor whose image token is one token of its tokenizer."""
     token = getattr(processor, "image_token", None)
@@ -183,11 +198,13 @@ class ImageTextCollator:
     -100 on every token the expansion added, on vision tokens and on padding; rows cut at `max_length` (after their
     last image: longer rows were refused up front)."""
 
-    def __init__(self, processor, vision_ids: set[int], max_length: int | None, pad_to_multiple_of: int) -> None:
+    def __init__(self, processor, vision_ids: set[int], max_length: int | None, pad_to_multiple_of: int,
+                 vision_in_every_batch: bool = False) -> None:
         self.processor = copy.copy(processor)
         self.processor.tokenizer = copy.copy(processor.tokenizer)
         self.processor.tokenizer.padding_side = "right"  # positions count from the left
         self.vision_ids, self.max_length, self.multiple = vision_ids, max_length, pad_to_multiple_of
+        self.vision_in_every_batch = vision_in_every_batch
 
     def __call__(self, rows: list[dict]) -> dict:
         images = [[open_image(image["bytes"] or image["path"], "").convert("RGB") for image in row["images"]]
@@ -207,7 +224,31 @@ class ImageTextCollator:
             for key, value in batch.items():
                 if torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == length and key != "pixel_values":
                     batch[key] = value[:, :self.max_length]
+        if self.vision_in_every_batch and not has_images:
+            batch = self.with_blank_image(batch)
         return dict(batch)
+
+    def with_blank_image(self, batch) -> dict:
+        """The batch with a blank image's tokens after its padding: no token attends to them and none is labelled, so
+        the loss and the gradients are those without them (up to summation order), but the vision encoder runs. Under ZeRO and FSDP a process whose
+        batch skipped the encoder would leave the others waiting in its collectives (LLaMA-Factory adds such a fake
+        image for the same reason)."""
+        from PIL import Image
+
+        blank = self.processor(text=[self.processor.image_token], images=[Image.new("RGB", (32, 32))],
+                               return_tensors="pt")
+        added = blank["input_ids"].shape[1]
+        filler = {"input_ids": self.processor.tokenizer.pad_token_id or 0, "labels": -100}
+        shape = batch["input_ids"].shape
+        for key, value in list(batch.items()):
+            if torch.is_tensor(value) and value.shape == shape:
+                tail = torch.full((value.shape[0], -(-added // self.multiple) * self.multiple), filler.get(key, 0),
+                                  dtype=value.dtype)
+                if key in blank and key != "attention_mask":
+                    tail[0, :added] = blank[key][0]
+                batch[key] = torch.cat([value, tail], dim=1)
+        batch.update({key: value for key, value in blank.items() if key not in batch})
+        return batch
 
     def align(self, ids: list[int], labels: list[int], expanded: list[int]) -> list[int]:
         """The labels of `ids` carried over to the processor's `expanded` ids: the text's tokens match one to one,
@@ -255,15 +296,16 @@ def sample_answer(folder: str, row: dict, columns: argparse.Namespace, data_fold
     from common.inputs.modeling import outside_zero3
 
     processor = AutoProcessor.from_pretrained(folder)
-    with outside_zero3():  # loaded whole by this process alone, not partitioned with the others (ZeRO-3)
-        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     messages, prompt_turns = as_messages(row, columns)
     last_answer = max(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
     prompt = messages[:prompt_turns or last_answer]
     images = [open_image(image, data_folder).convert("RGB") for image in images_of(row, columns)]
     text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    with torch.no_grad():
+    # This process alone: under ZeRO-3 the model is not built partitioned, and generate() does not step in lockstep
+    # with the other processes (synced_gpus: an all_reduce a token that they never join; the run hung there)
+    with outside_zero3(), torch.no_grad():
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
         generated = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     question = " ".join(part.get("text") or "" for turn in prompt if isinstance(turn["content"], list)

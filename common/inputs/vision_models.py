@@ -62,3 +62,49 @@ def fill_deepspeed_sizes(accelerator, config) -> None:
     sizes = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
              "stage3_param_persistence_threshold": 10 * hidden}
     zero.update({key: value for key, value in sizes.items() if zero.get(key) == "auto"})
+
+
+def block_classes(model: nn.Module) -> list[str]:
+    """The class names of the model's stacks of blocks: each ModuleList of one class that is not inside another one
+    (the vision encoder's blocks and the language model's decoder layers; not, say, the experts inside a layer)."""
+    names, stacks = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1 and \
+                not any(name.startswith(stack + ".") for stack in stacks):
+            stacks.append(name)
+            names += [type(module[0]).__name__] if type(module[0]).__name__ not in names else []
+    return names
+
+
+def shard_vision_and_decoder_blocks(accelerator, model: nn.Module) -> None:
+    """FSDP2 with transformer-based wrapping: the vision blocks and the decoder layers are the shard units, whatever
+    classes the accelerate config names (its LlamaDecoderLayer would leave the vision encoder to the root unit)."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is \
+            transformer_auto_wrap_policy:
+        plugin.transformer_cls_names_to_wrap = block_classes(model)
+
+
+def shard_units(model: nn.Module) -> dict[str, int]:
+    """How many modules of each class FSDP2 made shard units (fully_shard renames a class C to FSDPC)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            name = type(module).__name__.removeprefix("FSDP")
+            units[name] = units.get(name, 0) + 1
+    return units
+
+
+def fit_engines(accelerator, model: nn.Module) -> None:
+    """Before `prepare`: what DeepSpeed and FSDP2 would take from a text model, taken from the VLM's parts; and DDP
+    told that some parameters never get a gradient (LLaVA's features come from the encoder's second-to-last layer by
+    default: its last layer and norm are never used)."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    fill_deepspeed_sizes(accelerator, model.config)
+    shard_vision_and_decoder_blocks(accelerator, model)
+    accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
