@@ -218,6 +218,7 @@ FAST = {
                         "test_compile_flags_without_torch_compile_are_one_line",
                         "test_zero3_is_refused_in_one_line", "test_a_fallback_to_eager_is_said_and_counted"},
     "test_docs.py": "*", "test_steps.py": "*", "test_chat_data.py": "*",
+    "test_fsdp.py": {"test_fsdp2_configs_shard_any_architecture_by_its_decoder_layers"},
     "test_gpu_suite.py": {"test_the_pretraining_rows_left_out_pass_the_recipes_flag_checks"},
     "test_exit_status.py": {"test_the_end_of_a_run_is_recorded_in_its_folder",
                             "test_a_folder_without_a_run_gets_nothing_and_a_stale_record_goes_at_start"}, "test_device_skip.py": "*",

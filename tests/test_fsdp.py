@@ -211,11 +211,30 @@ def test_fsdp2_fp8_config_is_one_accelerate_accepts(monkeypatch):
     assert env["ACCELERATE_FP8_PAD_INNER_DIM"] == "True"
     plugin = fsdp_plugin_from_environment(env, monkeypatch)
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.transformer_cls_names_to_wrap is None  # the model's _no_split_modules: any architecture
     assert plugin.cpu_ram_efficient_loading is False  # what accelerate's torchao + FSDP2 check requires
     plain_fsdp2 = fsdp_plugin_from_environment(launched_environment("fsdp2.yaml", "--mixed_precision", "fp8"),
                                                monkeypatch)
     assert plain_fsdp2.cpu_ram_efficient_loading is True  # the combination accelerate refuses
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "fsdp2_tp.yaml", "fsdp2_fp8.yaml"])
+def test_fsdp2_configs_shard_any_architecture_by_its_decoder_layers(config, monkeypatch):
+    """The FSDP2 configs name no layer class, so accelerate shards by the model's `_no_split_modules`: one unit per
+    decoder layer of a Llama, a Mixtral (the MoE presets) and a Qwen2 model. Naming LlamaDecoderLayer (as these
+    files once did) refused the MoE presets and every other architecture at `prepare`."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config
+
+    plugin = fsdp_plugin_from_environment(launched_environment(config), monkeypatch)
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=64)
+    for config_class in (LlamaConfig, MixtralConfig, Qwen2Config):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config_class(**small))
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        units = [type(m).__name__ for m in model.modules() if policy(m)]
+        assert units == [config_class.__name__.replace("Config", "DecoderLayer")] * 2, units
 
 
 FP8_PROBE = """
