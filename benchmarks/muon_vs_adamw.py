@@ -120,10 +120,12 @@ def plot(runs: list[dict], target: float, path: str, preset: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in runs:
-        tokens, losses = zip(*r["curve"])
-        ax.plot(tokens, losses, "-" if r["side"] == "muon" else "--", marker=".",
-                label=f"{'Muon + WSD' if r['side'] == 'muon' else 'AdamW + cosine'}, lr {r['lr']:g}")
+    for side, colors, name in (("adamw", plt.cm.Blues, "AdamW + cosine"), ("muon", plt.cm.Oranges, "Muon + WSD")):
+        rates = sorted(r["lr"] for r in runs if r["side"] == side)
+        for r in sorted((r for r in runs if r["side"] == side), key=lambda r: r["lr"]):
+            tokens, losses = zip(*r["curve"])  # one hue per side, darker for a larger rate
+            ax.plot(tokens, losses, "-" if side == "muon" else "--", marker=".", label=f"{name}, lr {r['lr']:g}",
+                    color=colors(0.35 + 0.6 * rates.index(r["lr"]) / max(1, len(rates) - 1)))
     ax.axhline(target, color="gray", linewidth=0.8, label="target (AdamW's best final)")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out loss")
