@@ -2,13 +2,14 @@
 """Tokens to a target held-out loss: AdamW + cosine against Muon + warmup-stable-decay, each with a learning-rate sweep.
 
     python benchmarks/muon_vs_adamw.py --output_dir outputs/muon_vs_adamw                    # tiny preset, CPU
-    python benchmarks/muon_vs_adamw.py --model_preset small --max_steps 300 --output_dir ...
+    OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/muon_vs_adamw.py --model_preset small --max_steps 64 ...
 
 Every run trains the pretraining recipe on the embedded corpus from the same seed for the same number of optimizer
 steps (the same token budget), evaluating the held-out loss every --eval_every steps. The target is AdamW's best final
 held-out loss; for each run the tokens at which its held-out loss first reaches the target (linear between two
-evaluations) are reported as a share of the AdamW run's tokens, with final losses and seconds per step (the
-training time over the steps: Newton-Schulz's cost shows there). Outputs: results.json, results.md, results.png.
+evaluations) are reported as a share of the AdamW run's tokens, with final losses and seconds per step (the median
+over the intervals between evaluations of their training time, evaluations left out: Newton-Schulz's cost shows
+there; on a shared machine time it apart, in pairs). Outputs: results.json, results.md, results.png.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ def parse_args():
     parser.add_argument("--model_preset", default="tiny", help="The recipe's --model_preset.")
     parser.add_argument("--max_steps", type=int, default=200, help="Optimizer steps of every run (the budget).")
     parser.add_argument("--eval_every", type=int, default=25, help="Held-out loss every N steps.")
-    parser.add_argument("--learning_rates", default="1e-3,2e-3,4e-3,8e-3", help="The sweep, for both sides.")
+    parser.add_argument("--adamw_learning_rates", default="1e-3,2e-3,4e-3,8e-3", help="AdamW's sweep.")
+    parser.add_argument("--muon_learning_rates", default="2e-3,4e-3,8e-3,1.6e-2",
+                        help="Muon's sweep (--learning_rate: with match_rms_adamw one rate serves both halves).")
     parser.add_argument("--block_size", type=int, default=128, help="Tokens per sequence.")
     parser.add_argument("--batch_size", type=int, default=8, help="Sequences per step.")
     parser.add_argument("--max_eval_samples", type=int, default=16, help="Held-out documents evaluated.")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if len(args.adamw_learning_rates.split(",")) != len(args.muon_learning_rates.split(",")):
+        parser.error("give both sweeps the same number of learning rates (they run in pairs)")
+    return args
 
 
 def run(args, side: str, lr: str) -> dict:
@@ -59,8 +65,18 @@ def run(args, side: str, lr: str) -> dict:
         results = json.load(f)
     tokens_per_step = args.block_size * args.batch_size
     curve = [(r["step"] * tokens_per_step, r["eval_loss"]) for r in rows if "eval_loss" in r]
-    return {"side": side, "lr": float(lr), "curve": curve, "final": curve[-1][1],
-            "s_per_step": results["train_runtime"] / results["train_steps"]}
+    return {"side": side, "lr": float(lr), "curve": curve, "final": curve[-1][1], "s_per_step": training_seconds(rows),
+            "train_runtime": results["train_runtime"]}
+
+
+def training_seconds(rows: list[dict]) -> float:
+    """Median seconds per step over the intervals between two logged steps, each from the end of the first one's
+    evaluation to the second one's training log (so no evaluation is counted)."""
+    ends = {r["step"]: r["time"] for r in rows if "eval_loss" in r}
+    logged = [r for r in rows if "loss" in r]
+    per_step = [(b["time"] - ends.get(a["step"], a["time"])) / (b["step"] - a["step"])
+                for a, b in zip(logged, logged[1:])]
+    return sorted(per_step)[len(per_step) // 2]
 
 
 def tokens_to(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -74,7 +90,8 @@ def tokens_to(curve: list[tuple[int, float]], target: float) -> float | None:
 def main() -> None:
     args = parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
-    runs = [run(args, side, lr) for lr in args.learning_rates.split(",") for side in SIDES]  # pairs first
+    pairs = zip(args.adamw_learning_rates.split(","), args.muon_learning_rates.split(","))  # pairs first
+    runs = [run(args, side, lr) for pair in pairs for side, lr in zip(SIDES, pair)]
     adamw_best = min((r for r in runs if r["side"] == "adamw"), key=lambda r: r["final"])
     target, budget = adamw_best["final"], adamw_best["curve"][-1][0]
     for r in runs:
@@ -103,10 +120,12 @@ def plot(runs: list[dict], target: float, path: str, preset: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in runs:
-        tokens, losses = zip(*r["curve"])
-        ax.plot(tokens, losses, "-" if r["side"] == "muon" else "--", marker=".",
-                label=f"{'Muon + WSD' if r['side'] == 'muon' else 'AdamW + cosine'}, lr {r['lr']:g}")
+    for side, colors, name in (("adamw", plt.cm.Blues, "AdamW + cosine"), ("muon", plt.cm.Oranges, "Muon + WSD")):
+        rates = sorted(r["lr"] for r in runs if r["side"] == side)
+        for r in sorted((r for r in runs if r["side"] == side), key=lambda r: r["lr"]):
+            tokens, losses = zip(*r["curve"])  # one hue per side, darker for a larger rate
+            ax.plot(tokens, losses, "-" if side == "muon" else "--", marker=".", label=f"{name}, lr {r['lr']:g}",
+                    color=colors(0.35 + 0.6 * rates.index(r["lr"]) / max(1, len(rates) - 1)))
     ax.axhline(target, color="gray", linewidth=0.8, label="target (AdamW's best final)")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out loss")

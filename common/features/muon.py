@@ -32,6 +32,7 @@ from common.optim import param_groups
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 NS_EPS = 1e-7
+MAX_BATCH_ELEMENTS = 1 << 18  # one Newton-Schulz batch: 1 MB of fp32, what a core's L2 cache holds
 
 
 def add_muon_args(parser: argparse.ArgumentParser) -> None:
@@ -120,17 +121,44 @@ def deepspeed_muon_block(args: argparse.Namespace) -> dict:
         "weight_decay": args.weight_decay, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}}
 
 
-def newton_schulz(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py), in bf16 on a GPU and in fp32 on a CPU."""
+def newton_schulz(x: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalization (torch/optim/_muon.py) of a stack of wide matrices (rows <= columns) at
+    once: one batched matmul per term instead of one per matrix (on CPU each matmul is a fork and join of the OpenMP
+    threads, on a GPU a kernel launch)."""
     a, b, c = coefficients
-    x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
-    tall = x.size(0) > x.size(1)
-    x = x.T.contiguous() if tall else x  # a transposed view would send every matmul below to a slow path on CPU
-    x = x / x.norm().clamp(min=eps)
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if tall else x).to(update.dtype)
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def same_shape_batches(params: list[torch.Tensor]):
+    """The matrices in batches of one shape (a tall one beside its transpose's shape), each of at most
+    MAX_BATCH_ELEMENTS, so that a step's extra memory stays one batch's."""
+    shapes: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        shapes.setdefault((*sorted(p.shape), p.device), []).append(p)
+    for (rows, cols, _), same in shapes.items():
+        size = max(1, MAX_BATCH_ELEMENTS // (rows * cols))
+        yield from (same[i:i + size] for i in range(0, len(same), size))
+
+
+def orthogonalize(updates: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """Each update's nearest semi-orthogonal matrix (Newton-Schulz, one batch), in bf16 on a GPU and fp32 on a CPU; a
+    tall one is transposed to wide, as torch does. A shard of a matrix (a DTensor) is gathered whole, orthogonalized
+    (on every process) and cut back to this process's shard."""
+    wholes = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in updates]
+    tall = [w.size(0) > w.size(1) for w in wholes]
+    x = torch.stack([w.mT if t else w for w, t in zip(wholes, tall)])
+    x = newton_schulz(x.to(torch.bfloat16 if x.is_cuda else torch.float32), steps)
+    result = [(o.mT if t else o).to(u.dtype) for o, t, u in zip(x, tall, updates)]
+    if hasattr(updates[0], "full_tensor"):  # keep this process's shard of each whole result
+        from torch.distributed.tensor import distribute_tensor
+
+        result = [distribute_tensor(o, u.device_mesh, u.placements, src_data_rank=None)
+                  for o, u in zip(result, updates)]
+    return result
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str, shape) -> float:
@@ -187,29 +215,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict, params: list, found_inf: torch.Tensor | None) -> None:
         lr, momentum = group["lr"], group["momentum"]
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            new_buf = buf.lerp(p.grad, 1 - momentum)
-            update = p.grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf
-            if hasattr(update, "full_tensor"):  # a shard of the matrix: orthogonalize the whole, keep this shard
-                from torch.distributed.tensor import distribute_tensor
-
-                whole = newton_schulz(update.full_tensor(), group["ns_steps"])
-                orthogonal = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-            else:
-                orthogonal = newton_schulz(update, group["ns_steps"])
-            new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=-adjusted_lr(
-                lr, group["adjust_lr_fn"], p.shape))
-            if found_inf is None:
-                _local(buf).copy_(_local(new_buf))
-                _local(p).copy_(_local(new_p))
-            else:  # a non-finite step keeps the old values; decided on the device
-                skip = found_inf.to(dtype=torch.bool, device=_local(p).device)
-                _local(buf).copy_(torch.where(skip, _local(buf), _local(new_buf)))
-                _local(p).copy_(torch.where(skip, _local(p), _local(new_p)))
+        for batch in same_shape_batches(params):
+            new_bufs, updates = [], []
+            for p in batch:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                new_bufs.append(state["momentum_buffer"].lerp(p.grad, 1 - momentum))
+                updates.append(p.grad.lerp(new_bufs[-1], momentum) if group["nesterov"] else new_bufs[-1])
+            for p, new_buf, orthogonal in zip(batch, new_bufs, orthogonalize(updates, group["ns_steps"])):
+                buf = self.state[p]["momentum_buffer"]
+                new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=-adjusted_lr(
+                    lr, group["adjust_lr_fn"], p.shape))
+                if found_inf is None:
+                    _local(buf).copy_(_local(new_buf))
+                    _local(p).copy_(_local(new_p))
+                else:  # a non-finite step keeps the old values; decided on the device
+                    skip = found_inf.to(dtype=torch.bool, device=_local(p).device)
+                    _local(buf).copy_(torch.where(skip, _local(buf), _local(new_buf)))
+                    _local(p).copy_(torch.where(skip, _local(p), _local(new_p)))
 
     def _adamw_step(self, group: dict, params: list, found_inf: torch.Tensor | None) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
