@@ -320,12 +320,13 @@ def pytest_configure(config) -> None:
 # The files by the time they take one worker (docs/tests.md), slowest first; the rest (under 12 s each) after them.
 # `--dist loadfile` hands out files in this order (xdist's own order, by number of tests, is switched off below), so
 # the two workers end on short files, together, not one on a 2-minute file alone.
-SLOWEST_FIRST = ("test_gpu_suite.py", "test_multinode.py", "test_slurm.py", "test_preemption.py", "test_distributed.py",
+SLOWEST_FIRST = ("test_gpu_suite.py", "test_multinode.py", "test_mixture.py", "test_slurm.py", "test_preemption.py",
+                 "test_distributed.py",
                  "test_compile.py", "test_muon.py", "test_bad_inputs.py", "test_memory_estimate.py", "test_pretrain.py",
                  "test_crash_safety.py", "test_lora.py", "test_benchmark.py", "test_finetune_dpo.py",
                  "test_finetune_vlm.py", "test_async_checkpoint.py", "test_chunked_loss.py", "test_tensor_parallel.py",
                  "test_lora_engines.py",
-                 "test_resume_guard.py", "test_mixture.py", "test_faults.py", "test_init_parity.py",
+                 "test_resume_guard.py", "test_faults.py", "test_init_parity.py",
                  "test_finetune_classifier.py", "test_fsdp.py", "test_resumed_rows.py", "test_finetune_grpo.py",
                  "test_activation_memory.py", "test_streaming.py")
 
