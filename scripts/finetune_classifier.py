@@ -176,8 +176,7 @@ def load_classification_data(args, accelerator, config, resume_from: str | None)
         columns[pair_column] = "--text_pair_column"
     raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns,
                             check_rows=partial(find_unusable_label, column=args.label_column))
-    if pair_column is None and "text_pair" in raw["train"].column_names:
-        pair_column = "text_pair"
+    pair_column = pair_column or ("text_pair" if "text_pair" in raw["train"].column_names else None)
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     label_names, label_ids = discover_labels(raw, args.label_column)
     if args.metric_for_best_model == "f1" and len(label_names) != 2:
