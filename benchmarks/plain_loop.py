@@ -32,7 +32,8 @@ from accelerate import PartialState
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import default_data_collator, get_scheduler, set_seed
 
-from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.data import (HeldOut, Source, check_data_files, get_tokenizer, load_raw_datasets,
+                               tokenize_and_pack)
 from common.errors import fail
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, peak_memory_bytes,
@@ -100,9 +101,10 @@ def main() -> None:
     # common/inputs/data.py logs through accelerate and orders processes with `main_process_first()`: it gets the
     # single-process state, nothing else here uses accelerate.
     state = PartialState()
-    raw = load_raw_datasets(args)
-    tokenizer = get_tokenizer(args, state, raw, None, args.tokenizer_vocab_size)
-    data = tokenize_and_pack(args, state, raw, tokenizer, args.block_size)["train"]
+    source = Source.from_flags(args)
+    raw = load_raw_datasets(source, HeldOut.from_flags(args), args.cache_dir)
+    tokenizer = get_tokenizer(args, state, raw, None, args.tokenizer_vocab_size, source.text_column)
+    data = tokenize_and_pack(state, raw, source, tokenizer, args.block_size, args.preprocessing_num_workers)["train"]
     sampler = RandomSampler(data, generator=torch.Generator())  # reseeded per epoch below, as accelerate does
     loader = DataLoader(data, sampler=sampler, batch_size=args.per_device_train_batch_size,
                         collate_fn=default_data_collator, num_workers=args.dataloader_num_workers,

@@ -28,7 +28,7 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
 
 from benchmarks.plain_loop import parse_args
-from common.inputs.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+from common.inputs.data import HeldOut, Source, get_tokenizer, load_raw_datasets, tokenize_and_pack
 from common.inputs.modeling import build_causal_lm, check_block_size, count_parameters, flops_per_token, load_config
 from common.metrics import (MetricsWriter, Throughput, peak_flops_per_device, peak_memory_bytes,
                             write_all_results)
@@ -76,9 +76,10 @@ def main() -> None:
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     state = PartialState()  # common/inputs/data.py orders processes through it; Trainer has its own
-    raw = load_raw_datasets(args)
-    tokenizer = get_tokenizer(args, state, raw, None, args.tokenizer_vocab_size)
-    data = tokenize_and_pack(args, state, raw, tokenizer, args.block_size)["train"]
+    source = Source.from_flags(args)
+    raw = load_raw_datasets(source, HeldOut.from_flags(args), args.cache_dir)
+    tokenizer = get_tokenizer(args, state, raw, None, args.tokenizer_vocab_size, source.text_column)
+    data = tokenize_and_pack(state, raw, source, tokenizer, args.block_size, args.preprocessing_num_workers)["train"]
     model = build_causal_lm(args, config, len(tokenizer))
     model.config.use_cache = False  # Trainer calls model(**batch): no KV cache in training
     _, total_params = count_parameters(model)

@@ -42,7 +42,7 @@ from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
+from common.inputs.data import HeldOut, Source, check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, build_causal_lm, check_finetuning_flags, count_parameters,
                                     freeze_parameters, load_finetuning_config)
 from common.inputs.responses import (build_docstring_task, chat_problem, check_tokenized, naming_the_failing_row,
@@ -157,7 +157,8 @@ def load_sft_data(args, accelerator, config, resume_from: str | None):
     if not args.train_file and not args.dataset_name:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
-    raw = load_raw_datasets(args, columns={}, check_rows=partial(find_untrainable_row, args=args))
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns={},
+                            check_rows=partial(find_untrainable_row, args=args))
     use_messages = args.messages_column in raw["train"].column_names
     for column, flag in ([(args.messages_column, "--messages_column")] if use_messages else
                          [(args.prompt_column, "--prompt_column"), (args.completion_column, "--completion_column")]):

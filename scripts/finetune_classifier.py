@@ -43,7 +43,7 @@ from common.export import export_model
 from common.flags import ArgumentParser, add_data_args, add_model_args, add_training_args
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.data import check_data_files, get_tokenizer, load_raw_datasets
+from common.inputs.data import HeldOut, Source, check_data_files, get_tokenizer, load_raw_datasets
 from common.inputs.modeling import (add_finetuning_args, check_finetuning_flags, count_parameters,
                                     enable_gradient_checkpointing, freeze_parameters, load_finetuning_config,
                                     load_pretrained)
@@ -174,9 +174,9 @@ def load_classification_data(args, accelerator, config, resume_from: str | None)
     columns = {args.text_column: "--text_column", args.label_column: "--label_column"}
     if pair_column:
         columns[pair_column] = "--text_pair_column"
-    raw = load_raw_datasets(args, columns, check_rows=partial(find_unusable_label, column=args.label_column))
-    if pair_column is None and "text_pair" in raw["train"].column_names:
-        pair_column = "text_pair"
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns,
+                            check_rows=partial(find_unusable_label, column=args.label_column))
+    pair_column = pair_column or ("text_pair" if "text_pair" in raw["train"].column_names else None)
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     label_names, label_ids = discover_labels(raw, args.label_column)
     if args.metric_for_best_model == "f1" and len(label_names) != 2:

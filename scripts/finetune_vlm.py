@@ -40,7 +40,7 @@ from common.flags import ArgumentParser, add_data_args, add_model_args, add_trai
 from common.guard import DIVERGED_STATUS, STOPPED_STATUS, Verdict
 from common.inputs import from_pretrained_or_fail
 from common.inputs.batching import EpochLengthGroupedSampler, pad_to_multiple_of
-from common.inputs.data import check_data_files, load_raw_datasets
+from common.inputs.data import HeldOut, Source, check_data_files, load_raw_datasets
 from common.inputs.images import (ImageTextCollator, as_messages, check_processor, check_takes_images,
                                   evaluate_image_text, image_problem, load_processor, row_cutting_an_image,
                                   sample_answer, tokenize_image_rows, vision_token_ids)
@@ -186,7 +186,8 @@ def load_image_text_data(args, accelerator, processor, config):
     if not args.train_file and not args.dataset_name:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_shapes_task(args.cache_dir)
-    raw = load_raw_datasets(args, columns={}, check_rows=partial(find_unusable_row, args=args))
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns={},
+                            check_rows=partial(find_unusable_row, args=args))
     for split in raw:
         feature = raw[split].features.get(args.images_column)
         if isinstance(feature, Image) or isinstance(getattr(feature, "feature", None), Image):
@@ -369,7 +370,8 @@ def show_sample_answer(args, accelerator) -> None:
         folder = os.path.join(args.output_dir, "merged") if args.merge_adapter else None  # the adapter: with peft
     if folder is None:  # feature: lora
         return  # feature: lora
-    row = load_raw_datasets(args, columns={})["validation"][0]
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns={})
+    row = raw["validation"][0]
     question, answer, reference = sample_answer(folder, row, args, data_folders(args)["validation"])
     logger.info(f"sample answer of the reloaded export: {question!r} -> {answer!r} (reference: {reference!r})")
 

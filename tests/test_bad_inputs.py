@@ -90,8 +90,8 @@ def test_unwritable_output_dir_is_one_line(capsys, tmp_path):
 ])
 def test_unreadable_data_names_the_file_and_line(capsys, tmp_path, name, content, problem):
     """datasets stops with a traceback naming neither the file nor the row; the scripts name both, in one line."""
-    from common.inputs.data import load_raw_datasets
-    from common.inputs.mixture import read_sources, source_args
+    from common.inputs.data import HeldOut, load_raw_datasets
+    from common.inputs.mixture import read_sources
 
     good = tmp_path / ("good" + os.path.splitext(name)[1])
     if name.endswith(".parquet"):
@@ -106,7 +106,7 @@ def test_unreadable_data_names_the_file_and_line(capsys, tmp_path, name, content
     args = pretrain.parse_args(["--train_file", str(good), "--validation_file", str(bad), "--output_dir",
                                 str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
     with pytest.raises(SystemExit) as exc:
-        load_raw_datasets(source_args(args, read_sources(args)[0]))  # as the recipe reads each source
+        load_raw_datasets(read_sources(args)[0], HeldOut.from_flags(args), args.cache_dir)  # as the recipe reads it
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars come first
     assert err[-1].startswith(f"error: --validation_file {bad}: {problem}"), err
@@ -318,8 +318,8 @@ def test_unreadable_json_lines_name_the_file(capsys, tmp_path, train, validation
     """A JSON lines validation file is read with the train file's columns: datasets read the bad byte without a word
     (a UnicodeDecodeError traceback when the rows were tokenized) and stopped at an extra column with "Couldn't
     cast". Both are one line naming the file (and the line)."""
-    from common.inputs.data import load_raw_datasets
-    from common.inputs.mixture import read_sources, source_args
+    from common.inputs.data import HeldOut, load_raw_datasets
+    from common.inputs.mixture import read_sources
 
     files = {"train": tmp_path / "train.jsonl", "validation": tmp_path / "validation.jsonl"}
     files["train"].write_bytes(train)
@@ -327,7 +327,7 @@ def test_unreadable_json_lines_name_the_file(capsys, tmp_path, train, validation
     args = pretrain.parse_args(["--train_file", str(files["train"]), "--validation_file", str(files["validation"]),
                                 "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache")])
     with pytest.raises(SystemExit) as exc:
-        load_raw_datasets(source_args(args, read_sources(args)[0]))  # as the recipe reads each source
+        load_raw_datasets(read_sources(args)[0], HeldOut.from_flags(args), args.cache_dir)  # as the recipe reads it
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars come first
     assert [line for line in err if line.startswith("error:")] == [f"error: {problem.format(**files)}"], err

@@ -172,7 +172,7 @@ def test_extra_message_keys_reach_the_template_as_the_file_holds_them(tokenizers
     """`name`, `weight`, `tool_calls` in the validation file's messages only: `datasets` stopped with "cannot read
     ...: Couldn't cast array of type" (no file, row or key). Each message now reaches the template with exactly its
     own keys: none missing, none added as None to the others."""
-    from common.inputs.data import load_raw_datasets
+    from common.inputs.data import HeldOut, Source, load_raw_datasets
 
     rows = rows_for("finetune_causal_lm", 3, 3)
     train = write(tmp_path / "train.jsonl", rows)
@@ -183,7 +183,7 @@ def test_extra_message_keys_reach_the_template_as_the_file_holds_them(tokenizers
     script = RECIPES["finetune_causal_lm"]
     args = script.parse_args(["--model_name_or_path", tokenizers["text"], "--train_file", train, "--validation_file",
                               validation, "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "c")])
-    raw = load_raw_datasets(args, columns={})
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns={})
     assert raw["validation"]["messages"] == [row["messages"] for row in rows]
     assert raw["train"]["messages"][1] == [{k: v for k, v in m.items() if k not in ("name", "weight", "tool_calls")}
                                            for m in rows[1]["messages"]]
@@ -196,7 +196,7 @@ def test_a_value_no_column_type_keeps_is_one_line_naming_file_row_and_column(cap
     """Where a file truly cannot be read as it holds its values: a column of numbers with the text "3" in it (a
     column of mixed kinds is kept as JSON, and text that is itself JSON would come back as the number it spells). One
     line naming the file, the row and the column."""
-    from common.inputs.data import load_raw_datasets
+    from common.inputs.data import HeldOut, Source, load_raw_datasets
 
     rows = rows_for("finetune_grpo", 3, 3)
     train = write(tmp_path / "train.jsonl", rows)
@@ -205,7 +205,7 @@ def test_a_value_no_column_type_keeps_is_one_line_naming_file_row_and_column(cap
         "--model_name_or_path", "unused", "--train_file", train, "--validation_file", validation, "--output_dir",
         str(tmp_path / "out")])
     with pytest.raises(SystemExit) as exc:
-        load_raw_datasets(args, columns={})
+        load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns={})
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --validation_file {validation}: row 2 has '3' in 'answer', text that is also JSON, where other rows "

@@ -158,6 +158,21 @@ def test_the_core_stays_small():
     assert lines <= CORE_MAX_LINES, f"common/*.py holds {lines} lines; move what is optional into a tier"
 
 
+# The data path reads the flags in one function per path (docs/mixtures.md, "The data path"); its stages take plain
+# values. The functions of its modules that may take `args`: these, and those that add or check flags.
+FLAG_READERS = {"common/inputs/data.py": {"from_flags", "get_tokenizer"},
+                "common/inputs/mixture.py": {"read_sources", "load_mixed_blocks"},
+                "common/features/streaming.py": {"load_streaming_data", "stream_tokenizer"}}
+
+
+def test_the_data_stages_take_plain_values_not_the_flags():
+    found = [f"{path}: {node.name}" for path, readers in FLAG_READERS.items()
+             for node in ast.walk(ast.parse((ROOT / path).read_text()))
+             if isinstance(node, ast.FunctionDef) and node.name not in readers
+             and not node.name.startswith(("add_", "check_")) and "args" in [a.arg for a in node.args.args]]
+    assert not found, f"a data stage reads the flags (give it the values it needs): {found}"
+
+
 def test_readme_states_the_common_lines_each_recipe_imports():
     """The README's "Copy and adapt" table is measured: the lines of common/ each recipe imports, with its features
     and without them (tools/copy_recipe.py)."""

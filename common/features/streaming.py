@@ -111,7 +111,7 @@ def stream_tokenizer(args: argparse.Namespace, accelerator: Accelerator, sources
     counts = share_counts([s.weight for s in sources], TOKENIZER_SAMPLE_DOCUMENTS)
     texts = [row[s.text_column] for s, train, n in zip(sources, trains, counts) for row in train.take(int(n))]
     return get_tokenizer(args, accelerator, {"train": Dataset.from_dict({args.text_column: texts})}, resume_from,
-                         args.tokenizer_vocab_size)
+                         args.tokenizer_vocab_size, args.text_column)
 
 
 def mix_streams(blocks: list[IterableDataset], mixture: Mixture) -> IterableDataset:

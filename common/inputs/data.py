@@ -10,6 +10,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 
@@ -33,6 +34,46 @@ DATA_EXTENSIONS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet"
 DEFAULT_CORPUS_MAX_BYTES = 6_000_000
 DEFAULT_DOCS_MAX_BYTES = 6_000_000  # the whole library's docstrings are less
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+
+
+@dataclass
+class Source:
+    """One corpus: a local file or a hub dataset (a local dataset folder too), its text column, its held-out file, and
+    its name and weight in a mixture (a share of training tokens; common/inputs/mixture.py). Neither file nor dataset:
+    the embedded default corpus."""
+    name: str
+    weight: float
+    train_file: str | None = None
+    validation_file: str | None = None
+    dataset_name: str | None = None
+    dataset_config_name: str | None = None
+    text_column: str = "text"
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> Source:
+        """The corpus the data flags of a one-corpus recipe name."""
+        return cls("data", 1.0, args.train_file, args.validation_file, args.dataset_name, args.dataset_config_name,
+                   args.text_column)
+
+    def describe(self) -> dict:
+        """What a resume must keep (a file by its name: a requeued job may stage it elsewhere)."""
+        return {"source": self.name, "weight": self.weight,
+                "data": os.path.basename(self.train_file) if self.train_file else self.dataset_name,
+                "config": self.dataset_config_name, "text_column": self.text_column}
+
+
+@dataclass
+class HeldOut:
+    """The held-out split of a corpus that has none (`percentage` of its training rows, drawn with `seed`), and the
+    rows each split keeps (all: None)."""
+    percentage: int
+    seed: int
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> HeldOut:
+        return cls(args.validation_split_percentage, args.seed, args.max_train_samples, args.max_eval_samples)
 
 
 def data_format(path: str) -> str:
@@ -138,21 +179,22 @@ def write_default_corpus(stdlib: str, paths: list[str], max_bytes: int, read, fo
             f.write("\n".join(split_rows) + "\n")
 
 
-def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None,
+def load_raw_datasets(source: Source, held_out: HeldOut, cache_dir: str, columns: dict[str, str] | None = None,
                       check_rows: Callable[[DatasetDict], tuple[str, int, str] | None] | None = None) -> DatasetDict:
-    """train/validation splits from the hub, local files, or (when neither is given) the embedded default corpus.
+    """train/validation splits of `source`: a hub dataset, local files, or (neither) the embedded default corpus,
+    built under `cache_dir`.
 
-    `columns` maps each column the caller needs to the flag that names it (default: --text_column). `check_rows`
-    returns the first row the caller cannot train on as (split, row index, what is wrong), or None; it sees the
-    splits as read, before any is cut or shortened, so the row it names is the file's.
+    `columns` maps each column the caller needs to the flag that names it (default: the source's text column,
+    --text_column). `check_rows` returns the first row the caller cannot train on as (split, row index, what is
+    wrong), or None; it sees the splits as read, before any is cut or shortened, so the row it names is the file's.
     """
-    if args.dataset_name:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name)
-        where = {split: f"--dataset_name {args.dataset_name} ({split} split)" for split in raw}
+    if source.dataset_name:
+        raw = load_dataset(source.dataset_name, source.dataset_config_name)
+        where = {split: f"--dataset_name {source.dataset_name} ({split} split)" for split in raw}
     else:
-        files = {"train": args.train_file} if args.train_file else build_default_corpus(args.cache_dir)
-        if getattr(args, "validation_file", None):
-            files["validation"] = args.validation_file
+        files = {"train": source.train_file} if source.train_file else build_default_corpus(cache_dir)
+        if source.validation_file:
+            files["validation"] = source.validation_file
         builder = data_format(files["train"])
         kwargs = {"keep_linebreaks": True} if builder == "text" else \
             {"features": json_features(files)} if builder == "json" else {}
@@ -170,15 +212,15 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         split, row, problem = found
         fail(f"{where[split]}: row {row + 1} {problem}")
     if "validation" not in raw:
-        if args.validation_split_percentage <= 0 or len(raw["train"]) < 2:
+        if held_out.percentage <= 0 or len(raw["train"]) < 2:
             fail("no validation data: pass --validation_file or a --validation_split_percentage > 0 with more data")
-        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
+        split = raw["train"].train_test_split(test_size=held_out.percentage / 100, seed=held_out.seed)
         raw = DatasetDict(train=split["train"], validation=split["test"])
-    if args.max_train_samples:
-        raw["train"] = raw["train"].select(range(min(args.max_train_samples, len(raw["train"]))))
-    if args.max_eval_samples:
-        raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
-    columns = {args.text_column: "--text_column"} if columns is None else columns
+    if held_out.max_train_samples:
+        raw["train"] = raw["train"].select(range(min(held_out.max_train_samples, len(raw["train"]))))
+    if held_out.max_eval_samples:
+        raw["validation"] = raw["validation"].select(range(min(held_out.max_eval_samples, len(raw["validation"]))))
+    columns = {source.text_column: "--text_column"} if columns is None else columns
     for split in ("train", "validation"):
         if len(raw[split]) == 0:
             fail(f"the {split} split is empty")
@@ -302,9 +344,9 @@ def train_bpe_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict, resume_from: str | None,
-                  vocab_size: int | None = None) -> PreTrainedTokenizerBase:
+                  vocab_size: int | None = None, text_column: str = "text") -> PreTrainedTokenizerBase:
     """The fast tokenizer named by --tokenizer_name / the model; else a BPE tokenizer of `vocab_size` trained on the
-    train split.
+    train split's `text_column`.
 
     A trained tokenizer is cached under --cache_dir by a fingerprint of the data and vocab size (common/inputs/cache.py:
     written whole or not at all): later runs reuse it.
@@ -322,7 +364,7 @@ def get_tokenizer(args: argparse.Namespace, accelerator: Accelerator, raw: Datas
     else:
         key = f"{dataset_fingerprint(raw['train'])}-{vocab_size}"
         path = os.path.join(args.cache_dir, f"tokenizer-bpe-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
-        texts = (batch[args.text_column] for batch in raw["train"].iter(batch_size=1000))
+        texts = (batch[text_column] for batch in raw["train"].iter(batch_size=1000))
         with accelerator.main_process_first():
             cached_folder(path, lambda folder: train_bpe_tokenizer(texts, vocab_size).save_pretrained(folder),
                           f"a byte-level BPE tokenizer (vocab {vocab_size})", key)
@@ -357,19 +399,19 @@ def block_packer(block_size: int) -> Callable[[dict], dict]:
     return pack
 
 
-def tokenize_and_pack(args: argparse.Namespace, accelerator: Accelerator, raw: DatasetDict,
-                      tokenizer: PreTrainedTokenizerBase, block_size: int) -> DatasetDict:
-    """Tokenize every row (EOS after each document) and concatenate into `block_size` blocks with labels.
+def tokenize_and_pack(accelerator: Accelerator, raw: DatasetDict, source: Source, tokenizer: PreTrainedTokenizerBase,
+                      block_size: int, num_proc: int | None = None) -> DatasetDict:
+    """Tokenize every row of `source`'s text column (EOS after each document) and concatenate into `block_size`
+    blocks with labels, in `num_proc` processes.
 
     Runs on the main process first so the other processes load the result from the datasets cache.
     The tail shorter than a block in each map batch is dropped.
     """
-    tokenize, pack = document_tokenizer(tokenizer, args.text_column, args.train_file), block_packer(block_size)
+    tokenize, pack = document_tokenizer(tokenizer, source.text_column, source.train_file), block_packer(block_size)
     with accelerator.main_process_first():
-        tokenized = raw.map(tokenize, batched=True, num_proc=args.preprocessing_num_workers,
-                            remove_columns=raw["train"].column_names, desc="Tokenizing")
-        packed = tokenized.map(pack, batched=True, num_proc=args.preprocessing_num_workers,
-                               desc=f"Packing into blocks of {block_size}")
+        tokenized = raw.map(tokenize, batched=True, num_proc=num_proc, remove_columns=raw["train"].column_names,
+                            desc="Tokenizing")
+        packed = tokenized.map(pack, batched=True, num_proc=num_proc, desc=f"Packing into blocks of {block_size}")
     for split in ("train", "validation"):
         if len(packed[split]) == 0:
             fail(f"the {split} split holds fewer than --block_size={block_size} tokens; use more data or a smaller"

@@ -20,32 +20,14 @@ from torch.utils.data import Dataset
 
 from common.errors import fail
 from common.evaluation import evaluate_causal_lm
-from common.inputs.data import DATA_EXTENSIONS, build_default_corpus, build_default_docs_corpus, check_data_files
+from common.inputs.data import (DATA_EXTENSIONS, Source, build_default_corpus, build_default_docs_corpus,
+                               check_data_files)
 
 STOPPING = ("repeat", "first_exhausted")
 # The embedded default: the standard library's code and its documentation text (docs/mixtures.md says why).
 DEFAULT_WEIGHTS = {"code": 0.7, "docs": 0.3}
 MIXTURE_KEYS = {"path", "name", "split", "columns", "weight", "validation_file"}  # a source's keys in a mixture file
 STATE_FILE = "mixture_state.json"
-
-
-@dataclass
-class Source:
-    """One corpus of the mixture: a local file or a hub dataset (a local dataset folder too), its text column, its
-    weight (a share of training tokens) and its held-out data."""
-    name: str
-    weight: float
-    train_file: str | None = None
-    validation_file: str | None = None
-    dataset_name: str | None = None
-    dataset_config_name: str | None = None
-    text_column: str = "text"
-
-    def describe(self) -> dict:
-        """What a resume must keep (a file by its name: a requeued job may stage it elsewhere)."""
-        return {"source": self.name, "weight": self.weight,
-                "data": os.path.basename(self.train_file) if self.train_file else self.dataset_name,
-                "config": self.dataset_config_name, "text_column": self.text_column}
 
 
 def add_mixture_args(parser: argparse.ArgumentParser) -> None:
@@ -151,14 +133,6 @@ def resolve_default(sources: list[Source], cache_dir: str) -> list[Source]:
         return sources
     files = {"code": build_default_corpus(cache_dir), "docs": build_default_docs_corpus(cache_dir)}
     return [Source(s.name, s.weight, files[s.name]["train"], files[s.name]["validation"]) for s in sources]
-
-
-def source_args(args: argparse.Namespace, source: Source) -> argparse.Namespace:
-    """The flags as the one-corpus functions of common/inputs/data.py read them, for this source."""
-    return argparse.Namespace(**{**vars(args), "train_file": source.train_file,
-                                 "validation_file": source.validation_file, "dataset_name": source.dataset_name,
-                                 "dataset_config_name": source.dataset_config_name,
-                                 "text_column": source.text_column})
 
 
 def check_has_text(name: str, texts) -> None:
@@ -344,10 +318,11 @@ def load_mixed_blocks(args: argparse.Namespace, accelerator, resume_from: str | 
     (cached by `datasets`) -> the mixture. Returns (tokenizer, mixed training blocks, {source: held-out blocks})."""
     from datasets import DatasetDict, concatenate_datasets
 
-    from common.inputs.data import get_tokenizer, load_raw_datasets, tokenize_and_pack
+    from common.inputs.data import HeldOut, get_tokenizer, load_raw_datasets, tokenize_and_pack
 
     sources = resolve_default(sources, args.cache_dir)
-    raw = {s.name: load_raw_datasets(source_args(args, s)) for s in sources}
+    held_out = HeldOut(args.validation_split_percentage, args.seed, args.max_train_samples, args.max_eval_samples)
+    raw = {s.name: load_raw_datasets(s, held_out, args.cache_dir) for s in sources}
     for s in sources:
         check_has_text(s.name, (b[s.text_column] for b in raw[s.name]["train"].iter(batch_size=1000)))
     if len(sources) == 1:  # the tokenizer cache key of a one-corpus run stays what it was
@@ -357,15 +332,14 @@ def load_mixed_blocks(args: argparse.Namespace, accelerator, resume_from: str | 
         texts = DatasetDict(train=concatenate_datasets(
             [raw[s.name]["train"].select_columns([s.text_column]).rename_column(s.text_column, text)
              if s.text_column != text else raw[s.name]["train"].select_columns([text]) for s in sources]))
-    tokenizer = get_tokenizer(argparse.Namespace(**{**vars(args), "text_column": text}), accelerator, texts,
-                              resume_from, args.tokenizer_vocab_size)
-    blocks = {s.name: tokenize_and_pack(source_args(args, s), accelerator, raw[s.name], tokenizer, args.block_size)
-              for s in sources}
-    held_out = {s.name: blocks[s.name]["validation"] for s in sources}
+    tokenizer = get_tokenizer(args, accelerator, texts, resume_from, args.tokenizer_vocab_size, text)
+    blocks = {s.name: tokenize_and_pack(accelerator, raw[s.name], s, tokenizer, args.block_size,
+                                        args.preprocessing_num_workers) for s in sources}
+    eval_blocks = {s.name: blocks[s.name]["validation"] for s in sources}
     if len(sources) == 1:  # one corpus: its blocks, for the sampler to shuffle (as before mixtures)
-        return tokenizer, blocks[sources[0].name]["train"], held_out, Mixture(
+        return tokenizer, blocks[sources[0].name]["train"], eval_blocks, Mixture(
             sources, [len(blocks[sources[0].name]["train"])], args.mixture_stopping, args.seed)
     processes = accelerator.num_processes // getattr(accelerator.parallelism_config, "tp_size", 1)  # tp: one batch
     mixture = Mixture(sources, [len(blocks[s.name]["train"]) for s in sources], args.mixture_stopping, args.seed,
                       args.per_device_train_batch_size * args.gradient_accumulation_steps * processes)
-    return tokenizer, MixedBlocks(mixture, [blocks[s.name]["train"] for s in sources]), held_out, mixture
+    return tokenizer, MixedBlocks(mixture, [blocks[s.name]["train"] for s in sources]), eval_blocks, mixture

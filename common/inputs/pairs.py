@@ -14,7 +14,7 @@ import torch
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from common.errors import fail
-from common.inputs.data import get_tokenizer, load_raw_datasets
+from common.inputs.data import HeldOut, Source, get_tokenizer, load_raw_datasets
 from common.inputs.responses import (build_preference_task, chat_problem, check_tokenized, naming_the_failing_row,
                                      rows_of, tokenize_prompt_and_responses)
 
@@ -47,7 +47,8 @@ def load_preference_data(args: argparse.Namespace, accelerator, config, resume_f
             args.train_file, args.validation_file = build_preference_task(args.cache_dir)
     columns = {args.prompt_column: "--prompt_column", args.chosen_column: "--chosen_column",
                args.rejected_column: "--rejected_column"}
-    raw = load_raw_datasets(args, columns=columns, check_rows=partial(find_untrainable_pair, args=args))
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir, columns,
+                            check_rows=partial(find_untrainable_pair, args=args))
     tokenizer = get_tokenizer(args, accelerator, raw, resume_from)
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:

@@ -12,7 +12,7 @@ import torch
 from accelerate.logging import get_logger
 
 from common.errors import fail
-from common.inputs.data import get_tokenizer, load_raw_datasets
+from common.inputs.data import HeldOut, Source, get_tokenizer, load_raw_datasets
 from common.inputs.responses import (apply_template, build_docstring_task, chat_problem, naming_the_failing_row,
                                      rows_of, with_parts_joined)
 from common.inputs.rewards import check_reward_columns
@@ -64,7 +64,8 @@ def load_prompt_data(args: argparse.Namespace, accelerator, config, resume_from:
     if default:
         with accelerator.main_process_first():
             args.train_file, args.validation_file = build_docstring_task(args.cache_dir)
-    raw = load_raw_datasets(args, columns={args.prompt_column: "--prompt_column"},
+    raw = load_raw_datasets(Source.from_flags(args), HeldOut.from_flags(args), args.cache_dir,
+                            columns={args.prompt_column: "--prompt_column"},
                             check_rows=lambda raw: find_unusable_prompt(raw, args.prompt_column, args))
     if default:  # a prompt ending in a lone newline token is one the SFT model never saw: it would stop at once
         raw = raw.map(lambda row: {"prompt": row["prompt"].rstrip("\n")}, desc="Prompts without their last newline")
