@@ -87,6 +87,16 @@ def test_scripts_holds_only_the_recipes():
                              f"{sorted(files - RECIPES)}"
 
 
+RECIPE_MAX_LINES = 500
+
+
+def test_each_recipe_reads_in_one_sitting():
+    too_long = {name: n for name in sorted(RECIPES) if (n := len((ROOT / "scripts" / name).read_text().splitlines()))
+                > RECIPE_MAX_LINES}
+    assert not too_long, f"a recipe is read top to bottom: at most {RECIPE_MAX_LINES} lines, move shared code to " \
+                         f"common/ and options to common/features/: {too_long}"
+
+
 def test_tool_folders_are_packages_that_say_what_they_are():
     for folder in TOOL_PACKAGES:
         init = ROOT / folder / "__init__.py"
