@@ -323,12 +323,12 @@ def killed_twice_and_resumed(sources, dropout_config, d, *extra: str) -> list[in
 
 def test_processes_and_accumulation_train_as_one_batch(runs):
     """2 processes x 4, and from a step-2 checkpoint the other way round (2 x 4's continued by 1 process x 8
-    accumulation, 1 x 8's by 2 processes x 4), equal 1 x 8 from the next step on: losses and gradient norms 1e-5
-    relative, weights 1e-4 (test_distributed.py's tolerances); the per-source figures are the same rows."""
+    accumulation, 1 x 8's by 2 processes x 4), equal 1 x 8 from the next step on: losses 1e-6 and weights 1e-5
+    relative (fp32); the per-source figures are the same rows."""
     d, _ = runs
-    print(assert_same_training(d / "two", d / "one", steps=range(1, STEPS + 1)))
+    print(assert_trains_as(d / "two", d / "one", range(1, STEPS + 1)))
     for resumed in ("two_to_one", "one_to_two"):
-        print(resumed, assert_same_training(d / resumed, d / "one", steps=range(EVERY + 1, STEPS + 1)))
+        print(resumed, assert_trains_as(d / resumed, d / "one", range(EVERY + 1, STEPS + 1)))
     one, two = read_metrics(str(d / "one")), read_metrics(str(d / "two"))
     assert [r.keys() for r in one] == [r.keys() for r in two] and len(one) == STEPS + 2
     for a, b in zip(one, two):
