@@ -506,8 +506,9 @@ def test_compile_async_checkpoints_gradient_checkpointing_and_the_divergence_gua
     """The shared features on the VLM recipe, each against the 1 x 8 reference run (fp32, 2 steps):
     - gradient checkpointing with async checkpoints at every step ends where the plain run does (losses 1e-6,
       weights 1e-5 relative), and resumed from its async step-1 checkpoint ends there too;
-    - regional compilation (aot_eager: dynamo's graphs without building kernels) traces the vision blocks and the
-      decoder layers with no graph break, a bounded number of graphs, and trains as eager (losses 1e-5);
+    - regional compilation (aot_eager: dynamo's graphs without building kernels) of the vision blocks and decoder
+      layers trains as eager (losses 1e-5) in a bounded number of graphs, none falling back to eager, every graph
+      break in transformers' output-capturing hook (a known one: docs/vlm.md#torchcompile);
     - a NaN step (one row's forward pass NaN, batch 2, 3 steps) is skipped: counted once, its weights those of the
       step before, and the next step trains on."""
     d, reference = vlm["dir"], one_batch_runs["full"]
@@ -545,9 +546,8 @@ def test_compile_async_checkpoints_gradient_checkpointing_and_the_divergence_gua
                "--checkpointing_steps", "1", "--save_total_limit", "10")
     rows = [r for r in read_metrics(guarded) if "loss" in r]
     skipped = [r["step"] for r in rows if r.get("skipped_nonfinite_steps")]
-    assert len(skipped) == 1 and 1 < skipped[0] < 3, rows
-    weights = {s: load_file(os.path.join(guarded, "checkpoints", f"step_{s}", "model.safetensors"))
-               for s in (skipped[0] - 1, skipped[0], skipped[0] + 1)}
-    before, at, after = weights.values()
+    assert skipped == [2], rows  # with this seed: a checkpoint on each side of it
+    before, at, after = (load_file(os.path.join(guarded, "checkpoints", f"step_{s}", "model.safetensors"))
+                         for s in (1, 2, 3))
     assert all(torch.equal(before[k], at[k]) for k in at)
     assert not all(torch.equal(at[k], after[k]) for k in at) and all(after[k].isfinite().all() for k in after)
