@@ -71,6 +71,8 @@ def _run_in_child(cmd: list[str], cwd: str, env: dict[str, str], out_path: str, 
     import torch._dynamo.config
 
     torch._dynamo.config.disable = env.get("TORCH_COMPILE_DISABLE") == "1"
+    if env.get("TORCH_LOGS"):  # read at torch's import too
+        torch._logging._internal._init_logs()
     os.chdir(cwd)
     sys.argv = list(cmd)
     sys.path[0] = os.path.dirname(os.path.abspath(cmd[0]))  # as `python script.py` sets it

@@ -8,6 +8,8 @@ tokens, a variable number of tokens per image).
   text per row, 2 processes equal 1, LoRA too (recipe runs, LLaVA; in-process for Qwen2-VL, whose stock processor
   needs torchvision for its video half: see docs/vlm.md);
 - a run SIGKILLed at a random step (dropout on) and resumed ends with the uninterrupted run's weights and rows;
+- gradient checkpointing with async checkpoints (and a resume from one), regional compile and the divergence guard,
+  each against the one-batch run;
 - bad inputs are one line before any model is built; a copy without features trains as the original.
 """
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -37,6 +40,7 @@ LR = "1e-3"
 # that differ between batchings (docs/scaling.md says the same of tensor parallelism): 1e-6 keeps the noise small.
 EPSILON = "1e-6"
 LORA = ("--use_peft", "--lora_dropout", "0")  # the batchings would draw different adapter dropout masks
+COMPILED_GRAPHS = 8  # measured: the two block classes over 2 steps and the evaluations, graph breaks included
 
 
 def picture(rng: random.Random, path: str) -> str:
@@ -470,3 +474,80 @@ def test_the_gpu_suite_row_passes_the_recipe_s_flag_checks(tmp_path):
                                                                          str(tmp_path / "out")))
     assert (recipe.mixed_precision, recipe.per_device_train_batch_size, recipe.max_steps) == ("bf16", 16, 12)
     assert not args.ours_only
+
+
+def one_nan_row(vlm: dict, folder: str) -> tuple[str, str]:
+    """8 of the training rows, the 6th answered with `q` (in no other row), and the tiny LLaVA with rms_norm_eps=0
+    whose embedding of `q` alone is zero: that row's forward pass is NaN (tests/test_preemption.py's bad block)."""
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    rows = rows_of_file(vlm["train"])[:8]
+    bad = rows[5]
+    bad["messages"][1]["content"][0]["text"] += " q"
+    train = os.path.join(vlm["dir"], "one_nan_row.jsonl")  # beside the images, whose paths are relative
+    with open(train, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    processor = AutoProcessor.from_pretrained(vlm["llava"])
+    config = AutoConfig.from_pretrained(vlm["llava"])
+    config.text_config.rms_norm_eps = 0.0
+    model = LlavaForConditionalGeneration.from_pretrained(vlm["llava"], config=config)
+    q = processor.tokenizer(" q", add_special_tokens=False)["input_ids"][-1]
+    assert sum(processor.tokenizer(json.dumps(r))["input_ids"].count(q) for r in rows) == 1
+    with torch.no_grad():  # the padding's embedding, zero from its initialisation, made as the others
+        model.get_input_embeddings().weight[processor.tokenizer.pad_token_id].normal_(0, 0.02)
+        model.get_input_embeddings().weight[q] = 0
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return train, folder
+
+
+def test_compile_async_checkpoints_gradient_checkpointing_and_the_divergence_guard(vlm, one_batch_runs,
+                                                                                   monkeypatch):
+    """The shared features on the VLM recipe, each against the 1 x 8 reference run (fp32, 2 steps):
+    - gradient checkpointing with async checkpoints at every step ends where the plain run does (losses 1e-6,
+      weights 1e-5 relative), and resumed from its async step-1 checkpoint ends there too;
+    - regional compilation (aot_eager: dynamo's graphs without building kernels) of the vision blocks and decoder
+      layers trains as eager (losses 1e-5) in a bounded number of graphs, none falling back to eager, every graph
+      break in transformers' output-capturing hook (a known one: docs/vlm.md#torchcompile);
+    - a NaN step (one row's forward pass NaN, batch 2, 3 steps) is skipped: counted once, its weights those of the
+      step before, and the next step trains on."""
+    d, reference = vlm["dir"], one_batch_runs["full"]
+    batch8 = ("--per_device_train_batch_size", "8")
+    checkpointed = finetune(vlm, f"{d}/checkpointed", *batch8, "--gradient_checkpointing", "--async_checkpointing",
+                            "--checkpointing_steps", "1")
+    assert train_losses(checkpointed) == pytest.approx(train_losses(reference), abs=1e-6)
+    assert relative_difference(checkpointed, reference) < 1e-5
+    resumed = f"{d}/resumed"
+    shutil.copytree(os.path.join(checkpointed, "checkpoints", "step_1"), f"{d}/async_step_1")
+    finetune(vlm, resumed, *batch8, "--gradient_checkpointing", "--resume_from_checkpoint", f"{d}/async_step_1")
+    assert train_losses(resumed) == pytest.approx({2: train_losses(reference)[2]}, abs=1e-6)
+    assert relative_difference(resumed, reference) < 1e-5
+
+    compiled = f"{d}/compiled"
+    monkeypatch.setenv("TORCH_LOGS", "graph_breaks")  # where each break is, in the run's output
+    proc = run_script("finetune_vlm.py", "--model_name_or_path", vlm["llava"], "--train_file", vlm["train"],
+                      "--validation_file", vlm["validation"], "--output_dir", compiled, "--max_steps", "2",
+                      "--learning_rate", LR, "--logging_steps", "1", "--seed", "0", "--mixed_precision", "no",
+                      "--adam_epsilon", EPSILON, *batch8, "--torch_compile", "--torch_compile_backend", "aot_eager")
+    monkeypatch.delenv("TORCH_LOGS")
+    results = json.load(open(os.path.join(compiled, "all_results.json")))
+    assert 0 < results["compiled_graphs"] <= COMPILED_GRAPHS and results["compile_fallbacks"] == 0, results
+    # The only breaks: transformers' output-capturing hooks on the vision blocks and their attention (ContextVar.get,
+    # which dynamo cannot trace; docs/vlm.md#torchcompile); none in the decoder layers' code.
+    sites = re.findall(r"Graph break .*in user code at (\S+):\d+", proc.stdout + proc.stderr)
+    assert len(sites) == results["graph_breaks"] and all(s.endswith("utils/output_capturing.py") for s in sites), sites
+    assert train_losses(compiled) == pytest.approx(train_losses(reference), abs=1e-5)
+
+    train, model = one_nan_row(vlm, f"{d}/nan_model")
+    guarded = f"{d}/guarded"
+    run_script("finetune_vlm.py", "--model_name_or_path", model, "--train_file", train, "--output_dir", guarded,
+               "--max_steps", "3", "--learning_rate", LR, "--logging_steps", "1", "--seed", "0",
+               "--mixed_precision", "no", "--adam_epsilon", EPSILON, "--per_device_train_batch_size", "2",
+               "--checkpointing_steps", "1", "--save_total_limit", "10")
+    rows = [r for r in read_metrics(guarded) if "loss" in r]
+    skipped = [r["step"] for r in rows if r.get("skipped_nonfinite_steps")]
+    assert skipped == [2], rows  # with this seed: a checkpoint on each side of it
+    before, at, after = (load_file(os.path.join(guarded, "checkpoints", f"step_{s}", "model.safetensors"))
+                         for s in (1, 2, 3))
+    assert all(torch.equal(before[k], at[k]) for k in at)
+    assert not all(torch.equal(at[k], after[k]) for k in at) and all(after[k].isfinite().all() for k in after)
