@@ -79,7 +79,7 @@ def block_classes(model: nn.Module) -> list[str]:
 def shard_vision_and_decoder_blocks(accelerator, model: nn.Module) -> None:
     """FSDP2 with transformer-based wrapping: the vision blocks and the decoder layers are the shard units, whatever
     classes the accelerate config names (a LlamaDecoderLayer would leave the vision encoder to the root unit; LLaVA's
-    class lists no _no_split_modules for a config naming none)."""
+    _no_split_modules, taken when the config names none, lists CLIPTextEmbeddings, which it does not hold)."""
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
