@@ -51,7 +51,8 @@ def create_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.
 def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, accelerator, total_steps: int,
                                    create=None, schedule_kwargs: dict | None = None):
     """The optimizer and LR schedule, both counted in optimizer steps. A feature may pass its optimizer's factory
-    (`create(args, model)`, else `create_optimizer`) and its schedule's extra arguments (`schedule_kwargs`).
+    (`create(args, model)`, else `create_optimizer`; it may return a `DummyOptim`) and its schedule's extra arguments
+    (`schedule_kwargs`).
 
     When a DeepSpeed JSON defines its own `optimizer`/`scheduler` block, accelerate's Dummy placeholders stand in
     for them (a real torch optimizer next to a JSON optimizer raises inside DeepSpeed).
@@ -63,7 +64,7 @@ def create_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, a
     check_warmup(warmup, total_steps)
     plugin = accelerator.state.deepspeed_plugin
     ds_config = plugin.deepspeed_config if plugin is not None else {}
-    if "optimizer" in ds_config:
+    if "optimizer" in ds_config and create is None:
         optimizer = DummyOptim(param_groups(model, args.weight_decay), lr=args.learning_rate,
                                weight_decay=args.weight_decay)
     else:

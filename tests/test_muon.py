@@ -15,9 +15,10 @@ Pretraining runs, Muon + WSD, attention dropout on (`dropout_config`), checkpoin
 fp32, the same global batch of 8 from one saved tiny model: 1 process x 8, 1 x 1 with 8 accumulation steps, 2
 processes x 4 under DDP and FSDP2, and FSDP2 (2) x TP (2) on 4 processes end with the same weights (1e-5 relative;
 Newton-Schulz runs in fp32 on CPU; under FSDP2 and TP each matrix is gathered and orthogonalized whole).
-DeepSpeed's own ZeRO Muon (its `original` scaling): 2 processes x 4 under ZeRO-1, ZeRO-2 and ZeRO-3 log the losses of
-one process x 8 under ZeRO-2 (1e-6) and end with its weights (1e-5 ZeRO-1/2, 5e-5 ZeRO-3: bf16 Newton-Schulz); the
-ZeRO-1 and ZeRO-2 runs resumed from their step-2 checkpoints end with their weights exactly.
+DeepSpeed's own ZeRO Muon, from the same flags (its groups give `match_rms_adamw`'s step sizes; clipping off): one
+process x 8 under ZeRO-2 moves the matrices as ours does (7 %: its bf16 Newton-Schulz; the `original` scaling: 63 %);
+2 processes x 4 under ZeRO-1, ZeRO-2 and ZeRO-3 log its losses (1e-5) and end with its weights (1e-3); the ZeRO-1 and
+ZeRO-2 runs resumed from their step-2 checkpoints end with their weights exactly.
 Kill and resume, attention dropout on: under DDP with async checkpoints, FSDP2, FSDP2 x TP and ZeRO-3, a run SIGKILLed
 on every process after a drawn step and started again ends with the uninterrupted run's weights (0.0) and metric rows,
 its checkpoints holding Muon's momentum for every matrix element.
@@ -222,7 +223,9 @@ def parity_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
 
     # AdamW's epsilon 1e-6 (test_tensor_parallel.py says why: at 1e-8 fp32 summation noise of TP's other reduction
     # order moves elements with tiny gradients by ~2e-5 relative, in AdamW's parameters, not in Muon's).
-    return {"one": run("one", 8, 1), "accumulated": run("accumulated", 1, 8), "ddp": run("ddp", 4, 1, "cpu_2proc.yaml",
+    return {"one": run("one", 8, 1), "unclipped": run("unclipped", 8, 1, "cpu_1proc.yaml", 1, "--max_grad_norm", "0",
+                                                               "--learning_rate", "1e-3"),
+            "accumulated": run("accumulated", 1, 8), "ddp": run("ddp", 4, 1, "cpu_2proc.yaml",
             2), "fsdp2": run("fsdp2", 4, 1, "fsdp2.yaml", 2), "fsdp2_tp": run("fsdp2_tp", 4, 1, "fsdp2_tp.yaml", 4)}
 
 
@@ -251,23 +254,23 @@ def test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix():
 
 
 def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path):
-    """The fine-tuning recipes do not offer it (argparse's one line); under DeepSpeed, whose ZeRO Muon has the
-    `original` scaling built in, the default scaling is refused before any work."""
+    """The fine-tuning recipes do not offer it (argparse's one line); under DeepSpeed, whose ZeRO Muon has Nesterov
+    momentum and 5 Newton-Schulz steps built in, other values are refused before any work."""
     from test_bad_inputs import load_script, one_line_error
 
     with pytest.raises(SystemExit) as exc:
         load_script("finetune_causal_lm").parse_args(["--optim", "muon", "--output_dir", str(tmp_path / "sft")])
     assert exc.value.code == 2 and "argument --optim: invalid choice: 'muon'" in capsys.readouterr().err
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    assert "pass --muon_adjust_lr_fn original" in one_line_error(capsys, ["--optim", "muon", "--output_dir",
-                                                                          str(tmp_path / "out")])
+    assert "keep --muon_nesterov true and --muon_ns_steps 5" in one_line_error(
+        capsys, ["--muon_ns_steps", "3", "--output_dir", str(tmp_path / "out")])
 
 
 
 @pytest.fixture(scope="module")
 def zero_muon_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
-    """DeepSpeed's own ZeRO Muon (`--optim muon --muon_adjust_lr_fn original`, its only scaling), fp32, 3 steps, global
-    batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under ZeRO-1, ZeRO-2
+    """DeepSpeed's own ZeRO Muon (`--optim muon`, the default scaling `match_rms_adamw` through its groups), fp32, 3
+    steps, global batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under ZeRO-1, ZeRO-2
     and ZeRO-3, and the ZeRO-1 and ZeRO-2 runs' step-2 checkpoints resumed (the same command, in a copy). Eager
     (`eager_deepspeed`)."""
     d = tmp_path_factory.mktemp("zero_muon")
@@ -276,8 +279,8 @@ def zero_muon_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
         run_script("pretrain_llama.py", "--model_name_or_path", init_model, "--train_file", corpus["train"],
                    "--validation_file", corpus["validation"], "--block_size", "64", "--cache_dir", str(d / "cache"),
                    "--output_dir", str(d / name), "--max_steps", "3", "--logging_steps", "1", "--optim", "muon",
-                   "--muon_adjust_lr_fn", "original", "--per_device_train_batch_size", str(per_device),
-                   "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--max_eval_samples", "4",
+                   "--per_device_train_batch_size", str(per_device),
+                   "--learning_rate", "1e-3", "--adam_epsilon", "1e-6", "--max_eval_samples", "4",
                    "--sample_max_new_tokens", "0", *extra, launcher=launcher(config, processes))
         losses = {r["step"]: r["loss"] for r in read_metrics(str(d / name)) if "loss" in r}
         return losses, exported_weights(d / name)
@@ -305,17 +308,33 @@ def eager_deepspeed():
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_deepspeed_zero_muon_two_processes_equal_one(zero_muon_runs, name):
-    """2 processes under ZeRO-1, ZeRO-2 and ZeRO-3 log one process's losses (1e-6 relative) and end with its weights
-    (ZeRO-1/2: 1e-5 relative, measured 7e-6; ZeRO-3: 5e-5, measured 1.9e-5): DeepSpeed's Muon orthogonalizes each
-    whole matrix (ZeRO-1/2 all-reduce a matrix split across partitions to the processes holding it, ZeRO-3 all-reduces
-    whole gradients), not a process's flattened partition. Its Newton-Schulz runs in bf16 on both sides (as DeepSpeed
-    does on any bf16 device, CPU included), so ZeRO-3's other summation order (~1e-7) flips a few bf16 roundings."""
+    """2 processes under ZeRO-1, ZeRO-2 and ZeRO-3 log one process's losses (1e-5 relative) and end with its weights
+    (1e-3 relative; measured 4.6e-4 ZeRO-1/2, 7.5e-4 ZeRO-3): DeepSpeed's Muon orthogonalizes each whole matrix (ZeRO-1/2 all-reduce a matrix
+    split across partitions to the processes holding it, ZeRO-3 all-reduces whole gradients), not a process's
+    flattened partition (which would differ by the whole update). Its Newton-Schulz runs in bf16 (as DeepSpeed does on
+    any bf16 device, CPU included) and lifts a gradient's near-null directions toward 1, so another summation order
+    (~1e-7) flipping a few bf16 roundings moves the weights ~1e-4 in 3 steps."""
     (one_losses, one), (losses, weights) = zero_muon_runs["one"], zero_muon_runs[name]
-    assert sorted(losses) == [1, 2, 3] and losses == pytest.approx(one_losses, rel=1e-6)
+    assert sorted(losses) == [1, 2, 3] and losses == pytest.approx(one_losses, rel=1e-5)
     errors = {k: (torch.linalg.norm(weights[k] - v) / torch.linalg.norm(v)).item() for k, v in one.items()}
     worst = max(errors, key=errors.get)
     print(f"{name}: max relative weight difference {errors[worst]:.1e} ({worst})")
-    assert errors[worst] <= {"zero1": 1e-5, "zero2": 1e-5, "zero3": 5e-5}[name], f"{worst}: {errors[worst]:.1e}"
+    assert errors[worst] <= 1e-3, f"{worst}: {errors[worst]:.1e}"
+
+
+def test_deepspeed_zero_muon_takes_our_muons_steps(parity_runs, zero_muon_runs, init_model):  # noqa: F811
+    """The same flags on DeepSpeed's ZeRO Muon (one process, ZeRO-2) and on ours (no DeepSpeed) move the hidden
+    matrices alike: its groups turn its built-in `original` scaling into `match_rms_adamw` (0.2 sqrt(max(rows, cols)):
+    2.3x and 4.5x `original` on these matrices). The change of all the matrices differs by 7.4 % (DeepSpeed's
+    Newton-Schulz in bf16 against ours in fp32 on CPU); with `original` it differs by 63 %. Under DeepSpeed the recipe
+    turns clipping off (DeepSpeed would clip the orthogonalized update), so ours runs with --max_grad_norm 0."""
+    ours, theirs, init = parity_runs["unclipped"], zero_muon_runs["one"][1], exported_weights(init_model)
+    matrices = [k for k, v in ours.items() if v.ndim == 2 and "embed" not in k and "lm_head" not in k]
+    ours_change = torch.cat([(ours[k] - init[k]).flatten() for k in matrices])
+    difference = torch.cat([(theirs[k] - ours[k]).flatten() for k in matrices])
+    error = (difference.norm() / ours_change.norm()).item()
+    print(f"DeepSpeed's Muon against ours: the matrices' change differs by {error:.1e} relative")
+    assert error <= 0.15
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
@@ -332,7 +351,7 @@ def test_deepspeed_zero_muon_resumes_from_a_checkpoint_exactly(zero_muon_runs, n
 # (accelerate config, processes, flags). ZeRO-1 and ZeRO-2 are resumed from a checkpoint above; ZeRO-3 is killed.
 KILLED = {"ddp_async": ("cpu_2proc.yaml", 2, ("--async_checkpointing",)), "fsdp2": ("fsdp2.yaml", 2, ()),
           "fsdp2_tp": ("fsdp2_tp.yaml", 4, ()),
-          "zero3": ("deepspeed_zero3.yaml", 2, ("--muon_adjust_lr_fn", "original"))}
+          "zero3": ("deepspeed_zero3.yaml", 2, ())}
 KILL_STEPS, KILL_EVERY = 5, 2
 
 

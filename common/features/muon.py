@@ -14,7 +14,7 @@ moments), which checkpoints and the exact resume need. It is not `torch.optim.Mu
 - cannot skip a non-finite step on the device: here, as fused AdamW does, the divergence guard's `found_inf` leaves
   weights, momentum and moments untouched without a read to the host.
 Under DeepSpeed ZeRO a client optimizer only sees flattened partitions: there DeepSpeed's own ZeRO Muon is configured
-from the same flags (`deepspeed_muon_block`).
+from the same flags (`deepspeed_muon_block`, `deepspeed_muon_groups`).
 """
 
 from __future__ import annotations
@@ -61,11 +61,16 @@ def check_muon_flags(args: argparse.Namespace) -> None:
         fail(f"--muon_ns_steps must be between 1 and 99 (got {args.muon_ns_steps})")
     if args.muon_learning_rate is not None and args.muon_learning_rate <= 0:
         fail(f"--muon_learning_rate must be > 0 (got {args.muon_learning_rate})")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
-            args.muon_adjust_lr_fn != "original" or not args.muon_nesterov or args.muon_ns_steps != 5):
-        fail("--optim muon under DeepSpeed: DeepSpeed's ZeRO Muon scales each update by sqrt(max(1, rows/cols)) "
-             "with Nesterov momentum and 5 Newton-Schulz steps built in; pass --muon_adjust_lr_fn original (with a "
-             "larger --muon_learning_rate, ~0.02) and keep --muon_nesterov true, --muon_ns_steps 5")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return
+    if not args.muon_nesterov or args.muon_ns_steps != 5:
+        fail("--optim muon under DeepSpeed: DeepSpeed's ZeRO Muon has Nesterov momentum and 5 Newton-Schulz steps "
+             "built in; keep --muon_nesterov true and --muon_ns_steps 5")
+    if args.max_grad_norm > 0:  # DeepSpeed would clip Muon's orthogonalized updates (norm ~ sqrt(sum of min(A, B)))
+        print(f"--optim muon under DeepSpeed: no gradient clipping (--max_grad_norm {args.max_grad_norm} ignored): "
+              "DeepSpeed's ZeRO Muon clips the orthogonalized update, not the gradient, which would shrink every "
+              "Muon step by its norm", flush=True) if os.environ.get("RANK", "0") == "0" else None
+        args.max_grad_norm = 0.0
     if getattr(args, "use_peft", False):
         fail("--optim muon with --use_peft: Muon is for a pretraining run's hidden matrices, not for LoRA's low-rank "
              "adapters; use an AdamW --optim")
@@ -97,8 +102,8 @@ def create_muon_optimizer(args: argparse.Namespace, model: nn.Module) -> MuonWit
 
 
 def muon_optimizer(args: argparse.Namespace, model: nn.Module, accelerator):
-    """The recipe's hook: with --optim muon, the factory of `MuonWithAdamW` (under DeepSpeed: None, after writing
-    DeepSpeed's ZeRO Muon into its config); else None (the core's optimizers)."""
+    """The recipe's hook: with --optim muon, the factory of `MuonWithAdamW` (under DeepSpeed: of the placeholder of
+    DeepSpeed's ZeRO Muon, after writing that into its config); else None (the core's optimizers)."""
     if args.optim != "muon":
         return None
     plugin = accelerator.state.deepspeed_plugin
@@ -108,7 +113,37 @@ def muon_optimizer(args: argparse.Namespace, model: nn.Module, accelerator):
     zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
     if zero.get("stage") == 3:  # ZeRO-3's Muon refuses reduce-scatter (its default): all-reduce the whole gradients
         zero["reduce_scatter"] = False
-    return None
+    return create_deepspeed_muon_placeholder
+
+
+def create_deepspeed_muon_placeholder(args: argparse.Namespace, model: nn.Module):
+    """accelerate's `DummyOptim` over `deepspeed_muon_groups`: DeepSpeed builds its ZeRO Muon from them."""
+    from accelerate.utils import DummyOptim
+
+    return DummyOptim(deepspeed_muon_groups(args, model), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+
+def deepspeed_muon_groups(args: argparse.Namespace, model: nn.Module) -> list[dict]:
+    """The parameter groups handed to DeepSpeed's ZeRO Muon, which scales every matrix's update by sqrt(max(1,
+    rows/cols)) (`original`) and decays by its group's lr x weight decay. For --muon_adjust_lr_fn match_rms_adamw the
+    matrices of one scaling ratio get a group whose lr turns that into 0.2 sqrt(max(rows, cols)) and whose weight
+    decay keeps lr x decay unscaled, as torch's Muon has it: the same flags give the same step size on every engine.
+    DeepSpeed tags the Muon matrices itself (>= 2-D, not named embed/lm_head); a matrix both rules agree on is scaled,
+    any other parameter keeps the config's rates (AdamW's groups: decayed matrices, undecayed 1-D parameters)."""
+    matrices = {id(p) for name, p in model.named_parameters() if id(p) in muon_matrices(model)
+                and not any(word in name.lower() for word in ("embed", "lm_head"))}
+    lr = args.muon_learning_rate or args.learning_rate
+    by_ratio: dict[float, list] = {}
+    for p in model.parameters():
+        if id(p) in matrices:
+            shape = getattr(p, "ds_shape", p.shape)
+            by_ratio.setdefault(adjusted_lr(1.0, args.muon_adjust_lr_fn, shape) /
+                                adjusted_lr(1.0, "original", shape), []).append(p)
+    scaled = [{"params": params, "lr": lr * ratio, "weight_decay": args.weight_decay / ratio}
+              for ratio, params in by_ratio.items()]
+    rest = [{**group, "params": [p for p in group["params"] if id(p) not in matrices]}
+            for group in param_groups(model, args.weight_decay)]
+    return [group for group in rest if group["params"]] + scaled  # AdamW's first: the logged lr is --learning_rate
 
 
 def deepspeed_muon_block(args: argparse.Namespace) -> dict:
