@@ -309,9 +309,9 @@ def eager_deepspeed():
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_deepspeed_zero_muon_two_processes_equal_one(zero_muon_runs, name):
     """2 processes under ZeRO-1, ZeRO-2 and ZeRO-3 log one process's losses (1e-5 relative) and end with its weights
-    (1e-3 relative; measured 4.6e-4 ZeRO-1/2, 7.5e-4 ZeRO-3): DeepSpeed's Muon orthogonalizes each whole matrix (ZeRO-1/2 all-reduce a matrix
-    split across partitions to the processes holding it, ZeRO-3 all-reduces whole gradients), not a process's
-    flattened partition (which would differ by the whole update). Its Newton-Schulz runs in bf16 (as DeepSpeed does on
+    (1e-3 relative; measured 4.6e-4 ZeRO-1/2, 7.5e-4 ZeRO-3): DeepSpeed's Muon orthogonalizes each whole matrix
+    (ZeRO-1/2 all-reduce a matrix split across partitions to the processes holding it, ZeRO-3 all-reduces whole
+    gradients), not a process's flattened partition (which would differ by the whole update). Its Newton-Schulz runs in bf16 (as DeepSpeed does on
     any bf16 device, CPU included) and lifts a gradient's near-null directions toward 1, so another summation order
     (~1e-7) flipping a few bf16 roundings moves the weights ~1e-4 in 3 steps."""
     (one_losses, one), (losses, weights) = zero_muon_runs["one"], zero_muon_runs[name]
