@@ -47,6 +47,7 @@ PRETRAIN, PLAIN = os.path.join("scripts", "pretrain_llama.py"), os.path.join("be
 TRAINER = os.path.join("benchmarks", "trainer_loop.py")  # the job through transformers' Trainer (plain_loop's flags)
 RUN_FLAGS = ("--output_dir", "--max_steps", "--logging_steps", "--eval_steps", "--checkpointing_steps",
              "--resume_from_checkpoint")  # set by the benchmark (the timed window must hold training steps only)
+ADAMW_COSINE = ["--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4"]
 VERSIONS = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "bitsandbytes")
 
 
@@ -235,6 +236,8 @@ def run_once(args, method: str, repeat: int) -> dict:
     if script in (PRETRAIN, PLAIN, TRAINER):  # keep the untimed tail (final evaluation, sample) short
         cmd += ["--sample_max_new_tokens", "0", "--max_eval_samples", "2"] + \
             (["--max_train_samples", "200"] if args.quick else [])
+    if script == PRETRAIN:  # its peers (plain loop, Trainer) run AdamW + cosine: so does it, not its Muon default
+        cmd += ADAMW_COSINE
     cmd += spec["flags"] + args.script_args + ["--output_dir", run_dir]
     timeout = None if args.deadline is None else args.deadline - time.monotonic()
     if timeout is not None and timeout <= 0:

@@ -143,7 +143,7 @@ def test_kills_inside_background_writes_end_like_the_uninterrupted_run(chaos, ru
 
 
 def test_a_failed_background_write_stops_the_run_in_one_line_at_the_next_wait(runs, corpus):
-    """A real full disk (a 20 MiB tmpfs): step 2's 14 MB fit, step 4's optimizer file does not; the loop goes on to
+    """A real full disk (a 14 MiB tmpfs): step 2's 9.6 MB fit, step 4's optimizer file does not; the loop goes on to
     step 6, whose save waits for step 4's and stops there."""
     if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
         pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
@@ -151,7 +151,7 @@ def test_a_failed_background_write_stops_the_run_in_one_line_at_the_next_wait(ru
     out.mkdir()
     cmd = pretrain_command(corpus, runs / "cache", out, "--max_steps", "8", "--checkpointing_steps", "2",
                            "--async_checkpointing")
-    mount_run_copy = 'mount -t tmpfs -o size=20m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
+    mount_run_copy = 'mount -t tmpfs -o size=14m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount_run_copy, str(out),
                            *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COPY": str(copy)})

@@ -282,14 +282,14 @@ def test_one_live_run_per_folder_and_overwrite_starts_over(reference, corpus):
 
 
 def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(reference, corpus):
-    """A real full disk: the output folder on a 20 MiB tmpfs (a user + mount namespace). A checkpoint takes 14 MB:
+    """A real full disk: the output folder on a 14 MiB tmpfs (a user + mount namespace). A checkpoint takes 9.6 MB:
     step 2 fits, step 4 does not."""
     if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
         pytest.skip("unprivileged user namespaces are off: no tmpfs to fill")
     out, copy = reference / "small_disk", reference / "small_disk_copy"
     out.mkdir()
     cmd = pretrain_command(corpus, reference / "cache", out, "--max_steps", "4", "--checkpointing_steps", "2")
-    mount_run_copy = 'mount -t tmpfs -o size=20m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
+    mount_run_copy = 'mount -t tmpfs -o size=14m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$COPY"; exit $rc'
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount_run_copy, str(out),
                            *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COPY": str(copy)})

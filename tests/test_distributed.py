@@ -63,7 +63,10 @@ def init_model(corpus, tmp_path_factory) -> str:
 
 
 def train_args(corpus, init_model: str, output_dir, per_device_batch: int, *extra: str) -> list[str]:
-    return ["--model_name_or_path", init_model, "--train_file", corpus["train"], "--validation_file",
+    """An engine-parity run's flags. AdamW + cosine, not the recipe's Muon default: these compare the engines'
+    plumbing to fp32 rounding, and DeepSpeed's own Muon runs Newton-Schulz in bf16 (Muon on every engine:
+    test_muon.py)."""
+    return ["--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--model_name_or_path", init_model, "--train_file", corpus["train"], "--validation_file",
             corpus["validation"], "--block_size", "64", "--cache_dir", str(output_dir) + "-cache",
             "--output_dir", str(output_dir), "--max_steps", "4", "--logging_steps", "1",
             "--per_device_train_batch_size", str(per_device_batch), "--gradient_accumulation_steps", "2",

@@ -21,6 +21,7 @@ whose embedding row of the token `q` is zero turns the one block holding `q` int
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -401,14 +402,16 @@ def test_one_nonfinite_step_is_skipped_and_training_goes_on(one_skipped_step):
 
 
 def test_deepspeed_skips_the_nonfinite_step_itself(one_bad_block, one_skipped_step, tmp_path):
-    """DeepSpeed steps inside `backward`: ZeRO-2 (0.19.8) sees the inf/NaN gradient norm, skips the update and
-    reports the norm as inf; the guard counts it. Same losses as the DDP run, nothing non-finite saved."""
+    """DeepSpeed steps inside `backward`: ZeRO-2 (0.19.8) with its own Muon (the default --optim) sees the inf/NaN
+    gradient norm, skips the update (momentum kept) and reports the norm as inf; the guard counts it. The same step
+    skipped as in the DDP run, every later loss finite, nothing non-finite saved (`one_bad_block_run`). The losses
+    are not compared to the DDP run's: DeepSpeed's Muon runs Newton-Schulz in bf16 (AdamW: test_distributed.py)."""
     _, ddp_rows = one_skipped_step
     rows = one_bad_block_run(one_bad_block, tmp_path / "zero2", "deepspeed_zero2.yaml", 1, checkpointing_steps=4)
     assert [r["skipped_nonfinite_steps"] for r in rows] == [r["skipped_nonfinite_steps"] for r in ddp_rows]
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, ddp_rows) if a["loss"] is not None]
-    assert len(diffs) == 10 and max(diffs) <= 1e-5
-    print(f"ZeRO-2 skipped the same step; losses equal the DDP run's within {max(diffs):.1e}")
+    losses = [r["loss"] for r in rows if r["loss"] is not None]
+    assert len(losses) == 10 and all(math.isfinite(loss) for loss in losses)
+    assert rows[0]["loss"] == pytest.approx(ddp_rows[0]["loss"], rel=1e-6)  # the same start
 
 
 def late_skip_run(data, out, config: str) -> list[dict]:

@@ -18,6 +18,9 @@ from conftest import ROOT, code_at, read_metrics, run_script, train_losses
 ROOT_PATH = Path(ROOT)
 
 
+CORE_OPTIMIZER = ("--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4")
+
+
 def pretrain_args(corpus, tmp_path, output: str, *extra: str) -> list[str]:
     return ["--train_file", corpus["train"], "--validation_file", corpus["validation"],
             "--tokenizer_vocab_size", "512", "--block_size", "64", "--cache_dir", str(tmp_path / "cache"),
@@ -109,8 +112,9 @@ def test_moe_preset_trains_in_bf16_and_exports_a_mixtral(corpus, tmp_path):
 
 def test_a_copied_script_runs_from_anywhere_and_trains_the_same(corpus, tmp_path):
     """The README's way to adapt a script: copy it anywhere, keep the repository on PYTHONPATH, delete the features'
-    marked lines (tools/copy_recipe.py). The copy, importing no feature, trains the same as the original; with
-    --gradient_checkpointing the export still generates with a KV cache."""
+    marked lines (tools/copy_recipe.py). The copy, importing no feature, trains the same as the original with the
+    core's optimizer and schedule (the original's Muon + WSD defaults are features); with --gradient_checkpointing
+    the export still generates with a KV cache."""
     from tools.copy_recipe import common_modules, strip_features
 
     copy = tmp_path / "elsewhere" / "my_pretrain.py"
@@ -122,7 +126,7 @@ def test_a_copied_script_runs_from_anywhere_and_trains_the_same(corpus, tmp_path
                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_script("pretrain_llama.py", *pretrain_args(corpus, tmp_path, "orig", "--max_steps", "3",
-                                                   "--gradient_checkpointing"))
+                                                   "--gradient_checkpointing", *CORE_OPTIMIZER))
     assert train_losses(tmp_path / "copy") == train_losses(tmp_path / "orig")
     assert json.loads((tmp_path / "copy" / "config.json").read_text())["use_cache"] is True
 
@@ -136,7 +140,7 @@ def test_a_checkpoint_written_before_the_tiers_continues_exactly(corpus, tmp_pat
     version resumes that step-4 checkpoint and ends with the same losses and weights as the old uninterrupted run."""
     old = code_at(BEFORE_TIERS, tmp_path / "old_code")
     common = ("--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-              "--max_train_samples", "80", "--learning_rate", "3e-3")
+              "--max_train_samples", "80", *CORE_OPTIMIZER, "--learning_rate", "3e-3")  # AdamW: the old default
     run_script(str(old / "scripts" / "pretrain_llama.py"),
                *pretrain_args(corpus, tmp_path, "old", "--checkpointing_steps", "4", *common))
     resumed = tmp_path / "resumed"

@@ -65,7 +65,8 @@ def test_a_checkpoint_without_the_window_resumes_with_an_empty_one(corpus, tmp_p
     """A checkpoint of the code before the window travelled (BEFORE_WINDOW, from git) resumes: its first row is step
     4 alone, its next one steps 5-6, as the old run logged them."""
     old = code_at(BEFORE_WINDOW, tmp_path / "old_code")
-    flags = (*pretraining(corpus, tmp_path), "--max_steps", str(STEPS), "--seed", "0", "--mixed_precision", "no")
+    flags = (*pretraining(corpus, tmp_path), "--max_steps", str(STEPS), "--seed", "0", "--mixed_precision", "no",
+             "--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4")  # old default
     run_script(str(old / "scripts" / "pretrain_llama.py"), *flags, "--output_dir", f"{tmp_path}/old",
                "--logging_steps", "1", "--checkpointing_steps", str(CHECKPOINT))
     run_script("pretrain_llama.py", *flags, "--output_dir", f"{tmp_path}/resumed", "--logging_steps",

@@ -624,9 +624,10 @@ RECIPES = ("pretrain_llama.py", "finetune_causal_lm.py", "finetune_dpo.py",  # t
 EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def recipe_flags(argv: list[str]) -> argparse.Namespace:
+def recipe_flags(argv: list[str], recipe: str = "") -> argparse.Namespace:
     """The flags of a recipe's command line that decide its memory, parsed with the recipes' own flag definitions
-    (common/flags.py and the features'); the others (data, logging, ...) are left aside."""
+    (common/flags.py and the features') and the recipe's own defaults; the others (data, logging, ...) are left
+    aside."""
     from common.features.activation_memory import add_activation_memory_args
     from common.features.chunked_loss import add_chunked_loss_args
     from common.features.liger import add_liger_args
@@ -650,6 +651,8 @@ def recipe_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--keep_dropout", action="store_true")  # finetune_dpo.py's: dropout is off without it
     parser.add_argument("--freeze_vision_tower", action="store_true")  # finetune_vlm.py's
     parser.add_argument("--freeze_projector", action="store_true")  # finetune_vlm.py's
+    if recipe == "pretrain_llama.py":
+        parser.set_defaults(optim="muon")  # its default optimizer
     return parser.parse_known_args(argv)[0]
 
 
@@ -688,7 +691,8 @@ def command_run(command: list[str], device: str = "cuda", images_per_row: int = 
     if not command or os.path.basename(command[0]) not in RECIPES:
         fail(f"after -- give the recipe and its flags: one of {', '.join('scripts/' + r for r in RECIPES)} "
              f"(got {command[0] if command else 'nothing'})")
-    recipe, args = os.path.basename(command[0]), recipe_flags(command[1:])
+    recipe = os.path.basename(command[0])
+    args = recipe_flags(command[1:], recipe)
     precision = args.mixed_precision or launch["config"].get("mixed_precision")
     if precision not in ("bf16", "fp16"):
         fail("the estimate is for 16-bit mixed precision: add --bf16 (or --fp16) to the recipe's flags")

@@ -248,6 +248,8 @@ def _differs(key: str, saved, current, grouped: bool) -> bool:
         def content(files):
             return [(f["bytes"], f["sha256_head_tail"]) for f in (files if isinstance(files, list) else [files])]
         return content(saved) != content(current)
+    if key == "optim":  # a record written before fused and unfused AdamW were counted as one state names either
+        return saved != current and not {saved, current} <= {"adamw_torch", "adamw_torch_fused"}
     if key == "base_model" and saved and current:  # the path may change; a folder and a hub id cannot be compared
         return any(saved.get(k) != current.get(k) for k in ("weights", "weights_xxh3_64", "revision")
                    if saved.get(k) and current.get(k))
