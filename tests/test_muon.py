@@ -255,8 +255,9 @@ def test_the_memory_estimate_keeps_one_momentum_buffer_per_muon_matrix():
 
 def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path):
     """The fine-tuning recipes do not offer it (argparse's one line); under DeepSpeed, whose ZeRO Muon has Nesterov
-    momentum and 5 Newton-Schulz steps built in, other values are refused before any work."""
-    from test_bad_inputs import load_script, one_line_error
+    momentum and 5 Newton-Schulz steps built in, other values are refused before any work, and clipping (which
+    DeepSpeed would apply to the orthogonalized update) is turned off in one line."""
+    from test_bad_inputs import load_script, one_line_error, pretrain
 
     with pytest.raises(SystemExit) as exc:
         load_script("finetune_causal_lm").parse_args(["--optim", "muon", "--output_dir", str(tmp_path / "sft")])
@@ -264,7 +265,8 @@ def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     assert "keep --muon_nesterov true and --muon_ns_steps 5" in one_line_error(
         capsys, ["--muon_ns_steps", "3", "--output_dir", str(tmp_path / "out")])
-
+    assert pretrain.parse_args(["--output_dir", str(tmp_path / "ds")]).max_grad_norm == 0.0
+    assert capsys.readouterr().out.startswith("--optim muon under DeepSpeed: no gradient clipping (--max_grad_norm")
 
 
 @pytest.fixture(scope="module")

@@ -67,9 +67,10 @@ def check_muon_flags(args: argparse.Namespace) -> None:
         fail("--optim muon under DeepSpeed: DeepSpeed's ZeRO Muon has Nesterov momentum and 5 Newton-Schulz steps "
              "built in; keep --muon_nesterov true and --muon_ns_steps 5")
     if args.max_grad_norm > 0:  # DeepSpeed would clip Muon's orthogonalized updates (norm ~ sqrt(sum of min(A, B)))
-        print(f"--optim muon under DeepSpeed: no gradient clipping (--max_grad_norm {args.max_grad_norm} ignored): "
-              "DeepSpeed's ZeRO Muon clips the orthogonalized update, not the gradient, which would shrink every "
-              "Muon step by its norm", flush=True) if os.environ.get("RANK", "0") == "0" else None
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--optim muon under DeepSpeed: no gradient clipping (--max_grad_norm {args.max_grad_norm} "
+                  "ignored): DeepSpeed's ZeRO Muon clips the orthogonalized update, not the gradient, which would "
+                  "shrink every Muon step by its norm", flush=True)
         args.max_grad_norm = 0.0
     if getattr(args, "use_peft", False):
         fail("--optim muon with --use_peft: Muon is for a pretraining run's hidden matrices, not for LoRA's low-rank "
@@ -130,8 +131,9 @@ def deepspeed_muon_groups(args: argparse.Namespace, model: nn.Module) -> list[di
     decay keeps lr x decay unscaled, as torch's Muon has it: the same flags give the same step size on every engine.
     DeepSpeed tags the Muon matrices itself (>= 2-D, not named embed/lm_head); a matrix both rules agree on is scaled,
     any other parameter keeps the config's rates (AdamW's groups: decayed matrices, undecayed 1-D parameters)."""
-    matrices = {id(p) for name, p in model.named_parameters() if id(p) in muon_matrices(model)
-                and not any(word in name.lower() for word in ("embed", "lm_head"))}
+    ours = muon_matrices(model)
+    matrices = {id(p) for name, p in model.named_parameters()
+                if id(p) in ours and not any(word in name.lower() for word in ("embed", "lm_head"))}
     lr = args.muon_learning_rate or args.learning_rate
     by_ratio: dict[float, list] = {}
     for p in model.parameters():
