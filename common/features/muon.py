@@ -39,6 +39,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> None:
     """`muon` becomes a choice of --optim, with Muon's own flags."""
     optim = next(action for action in parser._actions if "--optim" in action.option_strings)  # argparse: no accessor
     optim.choices = (*optim.choices, "muon")
+    optim.help += " muon: Muon for the hidden matrices, AdamW for the rest; it skips on the device too."
     g = parser.add_argument_group("muon")
     g.add_argument("--muon_momentum", type=float, default=0.95, help="--optim muon: Muon's momentum.")
     g.add_argument("--muon_nesterov", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
