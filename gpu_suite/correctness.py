@@ -35,8 +35,9 @@ def check_bf16(suite: Suite) -> Outcome:
 def check_fp16(suite: Suite) -> Outcome:
     """fp16 with loss scaling: a step whose gradients overflowed (non-finite norm) is skipped and so is its scheduler
     step (the next step's lr is the same), while every other step moves the schedule on (warmup + decay: every lr
-    differs)."""
-    run = suite.train("fp16", PRETRAIN, suite.pretrain_args() + ["--fp16", "--warmup_steps", "4"])
+    differs: cosine, not the default warmup-stable-decay, whose stable phase holds the lr)."""
+    run = suite.train("fp16", PRETRAIN, suite.pretrain_args() + ["--fp16", "--warmup_steps", "4",
+                                                                 "--lr_scheduler_type", "cosine"])
     if run.error:
         return Outcome(FAIL, run.error)
     steps = [r for r in run.metrics if "lr" in r]
