@@ -19,6 +19,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
+# The core's optimizer and schedule at the core's rate: what a run names where it compares with AdamW (a peer loop, an
+# old checkpoint, a copy without features) or needs fp32-exact engines (DeepSpeed's Muon, the pretraining default, is
+# bf16 inside).
+CORE_OPTIMIZER = ("--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 sys.path.insert(0, ROOT)
 # DeepSpeed JIT-builds its C++ ops on first use: a per-user cache lets later runs reuse them.

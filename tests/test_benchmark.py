@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script, train_losses
+from conftest import CORE_OPTIMIZER, ROOT, read_metrics, run_script, train_losses
 
 BENCHMARK, PLAIN_LOOP = (os.path.join(ROOT, "benchmarks", name) for name in ("benchmark.py", "plain_loop.py"))
 
@@ -131,9 +131,9 @@ def test_plain_loop_compiles_each_layer_once(tmp_path, corpus, ten_layers):
 def test_plain_loop_losses_equal_the_recipes(tmp_path, corpus):
     """Same seed, data, model, optimizer and schedule (AdamW + cosine, as benchmark.py runs both), no clipping: every
     step's loss is the recipe's."""
-    common = ("--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4", "--train_file", corpus["train"], "--validation_file", corpus["validation"], "--tokenizer_vocab_size",
-              "512", "--block_size", "64", "--max_steps", "4", "--logging_steps", "1", "--max_grad_norm", "0",
-              "--cache_dir", str(tmp_path / "cache"))
+    common = (*CORE_OPTIMIZER, "--train_file", corpus["train"], "--validation_file", corpus["validation"],
+              "--tokenizer_vocab_size", "512", "--block_size", "64", "--max_steps", "4", "--logging_steps", "1",
+              "--max_grad_norm", "0", "--cache_dir", str(tmp_path / "cache"))
     run_script("pretrain_llama.py", *common, "--sample_max_new_tokens", "0", "--max_eval_samples", "2",
                "--output_dir", str(tmp_path / "recipe"))
     run_script(PLAIN_LOOP, *common, "--output_dir", str(tmp_path / "plain"))

@@ -35,8 +35,8 @@ import time
 import pytest
 import torch
 
-from conftest import (ACCELERATE, ROOT, assert_each_damage_is_named, copy_checkpoints, damage, launcher, read_metrics,
-                      run_script, skip_line)
+from conftest import (ACCELERATE, CORE_OPTIMIZER, ROOT, assert_each_damage_is_named, copy_checkpoints, damage,
+                      launcher, read_metrics, run_script, skip_line)
 
 LOSS_RTOL = 1e-5     # measured: identical to ~1e-7 relative
 # Per tensor, |a - b| / |b| (Frobenius). Measured <= 5e-6: Adam divides by sqrt(v), so an element whose gradient is
@@ -66,7 +66,7 @@ def train_args(corpus, init_model: str, output_dir, per_device_batch: int, *extr
     """An engine-parity run's flags. AdamW + cosine, not the recipe's Muon default: these compare the engines'
     plumbing to fp32 rounding, and DeepSpeed's own Muon runs Newton-Schulz in bf16 (Muon on every engine:
     test_muon.py)."""
-    return ["--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--model_name_or_path", init_model, "--train_file", corpus["train"], "--validation_file",
+    return [*CORE_OPTIMIZER, "--model_name_or_path", init_model, "--train_file", corpus["train"], "--validation_file",
             corpus["validation"], "--block_size", "64", "--cache_dir", str(output_dir) + "-cache",
             "--output_dir", str(output_dir), "--max_steps", "4", "--logging_steps", "1",
             "--per_device_train_batch_size", str(per_device_batch), "--gradient_accumulation_steps", "2",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPTS, launcher, read_metrics, run_script
+from conftest import CORE_OPTIMIZER, SCRIPTS, launcher, read_metrics, run_script
 from test_crash_safety import newest_complete_step, sigkill, start, wait_for, weights_diff
 from test_distributed import assert_same_training
 
@@ -272,9 +272,10 @@ def test_a_mixture_file_trains_as_the_flags_do_and_a_source_without_text_is_one_
 def run_args(sources, output_dir, *extra: str, weights=("0.7", "0.3")) -> list[str]:
     """AdamW + cosine, not the recipe's Muon default: the ZeRO-3 run below is compared to fp32 rounding, and
     DeepSpeed's own Muon runs Newton-Schulz in bf16 (Muon on every engine: test_muon.py)."""
-    return ["--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--train_file", sources["long"], sources["short"], "--validation_file", sources["long-val"],
-            sources["short-val"], "--mixture_weights", *weights, "--tokenizer_name", sources["tokenizer"],
-            "--block_size", "32", "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_steps", "4",
+    return [*CORE_OPTIMIZER, "--train_file", sources["long"], sources["short"], "--validation_file",
+            sources["long-val"], sources["short-val"], "--mixture_weights", *weights, "--tokenizer_name",
+            sources["tokenizer"], "--block_size", "32", "--max_steps", str(STEPS), "--logging_steps", "1",
+            "--eval_steps", "4",
             "--checkpointing_steps", str(EVERY), "--save_total_limit", "9", "--mixed_precision", "no",
             "--sample_max_new_tokens", "0",
             "--learning_rate", "3e-3", "--cache_dir", os.path.join(sources["dir"], "run-cache"),

@@ -272,9 +272,9 @@ def test_muon_where_it_does_not_apply_is_one_line(capsys, monkeypatch, tmp_path)
 @pytest.fixture(scope="module")
 def zero_muon_runs(corpus, init_model, tmp_path_factory):  # noqa: F811
     """DeepSpeed's own ZeRO Muon (`--optim muon`, the default scaling `match_rms_adamw` through its groups), fp32, 3
-    steps, global batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under ZeRO-1, ZeRO-2
-    and ZeRO-3, and the ZeRO-1 and ZeRO-2 runs' step-2 checkpoints resumed (the same command, in a copy). Eager
-    (`eager_deepspeed`)."""
+    steps, global batch 8: one process x 8 under ZeRO-2 (the reference: DeepSpeed's Muon too), 2 processes x 4 under
+    ZeRO-1, ZeRO-2 and ZeRO-3, and the ZeRO-1 and ZeRO-2 runs' step-2 checkpoints resumed (the same command, in a copy).
+    Eager (`eager_deepspeed`)."""
     d = tmp_path_factory.mktemp("zero_muon")
 
     def run(name, config, processes, per_device, *extra):
@@ -313,9 +313,9 @@ def test_deepspeed_zero_muon_two_processes_equal_one(zero_muon_runs, name):
     """2 processes under ZeRO-1, ZeRO-2 and ZeRO-3 log one process's losses (1e-5 relative) and end with its weights
     (1e-3 relative; measured 4.6e-4 ZeRO-1/2, 7.5e-4 ZeRO-3): DeepSpeed's Muon orthogonalizes each whole matrix
     (ZeRO-1/2 all-reduce a matrix split across partitions to the processes holding it, ZeRO-3 all-reduces whole
-    gradients), not a process's flattened partition (which would differ by the whole update). Its Newton-Schulz runs in bf16 (as DeepSpeed does on
-    any bf16 device, CPU included) and lifts a gradient's near-null directions toward 1, so another summation order
-    (~1e-7) flipping a few bf16 roundings moves the weights ~1e-4 in 3 steps."""
+    gradients), not a process's flattened partition (which would differ by the whole update). Its Newton-Schulz runs in
+    bf16 (as DeepSpeed does on any bf16 device, CPU included) and lifts a gradient's near-null directions toward 1, so
+    another summation order (~1e-7) flipping a few bf16 roundings moves the weights ~1e-4 in 3 steps."""
     (one_losses, one), (losses, weights) = zero_muon_runs["one"], zero_muon_runs[name]
     assert sorted(losses) == [1, 2, 3] and losses == pytest.approx(one_losses, rel=1e-5)
     errors = {k: (torch.linalg.norm(weights[k] - v) / torch.linalg.norm(v)).item() for k, v in one.items()}

@@ -13,12 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, code_at, read_metrics, run_script, train_losses
+from conftest import CORE_OPTIMIZER, ROOT, code_at, read_metrics, run_script, train_losses
 
 ROOT_PATH = Path(ROOT)
-
-
-CORE_OPTIMIZER = ("--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4")
 
 
 def pretrain_args(corpus, tmp_path, output: str, *extra: str) -> list[str]:

@@ -41,8 +41,9 @@ def launcher(num_processes: int) -> list[str]:
 
 def flags(corpus, cache, output_dir, per_device: int, accumulation: int, *extra: str) -> list[str]:
     """AdamW + cosine (the hyperparameters below are AdamW's; a Muon resume: test_muon.py)."""
-    return ["--optim", "adamw_torch", "--lr_scheduler_type", "cosine", "--train_file", corpus["train"], "--validation_file", corpus["validation"], "--tokenizer_vocab_size",
-            "512", "--block_size", "64", "--cache_dir", str(cache), "--output_dir", str(output_dir),
+    return ["--optim", "adamw_torch", "--lr_scheduler_type", "cosine", "--train_file", corpus["train"],
+            "--validation_file", corpus["validation"], "--tokenizer_vocab_size", "512", "--block_size", "64",
+            "--cache_dir", str(cache), "--output_dir", str(output_dir),
             "--max_steps", "6", "--checkpointing_steps", "3", "--logging_steps", "1", "--learning_rate", "3e-3",
             "--max_eval_samples", "16", "--sample_max_new_tokens", "0", "--mixed_precision", "no",
             "--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 
 import pytest
-from conftest import code_at, launcher, read_metrics, run_script
+from conftest import CORE_OPTIMIZER, code_at, launcher, read_metrics, run_script
 from test_finetune_causal_lm import sft  # noqa: F401  (fixture)
 from test_finetune_classifier import tiny  # noqa: F401  (fixture)
 from test_finetune_dpo import dpo  # noqa: F401  (fixture)
@@ -66,7 +66,7 @@ def test_a_checkpoint_without_the_window_resumes_with_an_empty_one(corpus, tmp_p
     4 alone, its next one steps 5-6, as the old run logged them."""
     old = code_at(BEFORE_WINDOW, tmp_path / "old_code")
     flags = (*pretraining(corpus, tmp_path), "--max_steps", str(STEPS), "--seed", "0", "--mixed_precision", "no",
-             "--optim", "adamw_torch_fused", "--lr_scheduler_type", "cosine", "--learning_rate", "5e-4")  # old default
+             *CORE_OPTIMIZER)  # the old default
     run_script(str(old / "scripts" / "pretrain_llama.py"), *flags, "--output_dir", f"{tmp_path}/old",
                "--logging_steps", "1", "--checkpointing_steps", str(CHECKPOINT))
     run_script("pretrain_llama.py", *flags, "--output_dir", f"{tmp_path}/resumed", "--logging_steps",
